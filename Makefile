@@ -1,0 +1,46 @@
+# meshnode build. The cgo flags matter: without them ggml compiles with no SIMD.
+#   make build     -> ./bin/meshnode (fast path: native SIMD + CPU_REPACK weights)
+#   make test      -> the whole test suite (what .ci/run runs)
+#   make portable  -> x86-64-v3 release build
+# A plain `go build ./...` still works; it is only slower (no SIMD, no repack).
+
+GO        ?= go
+OLLAMA_DIR = $(shell $(GO) list -m -f '{{.Dir}}' github.com/ollama/ollama)
+MARCH     ?= native
+GGML_INC   = -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/include
+
+export CGO_ENABLED  = 1
+export CGO_CFLAGS   = -O3 -march=$(MARCH)
+export CGO_CXXFLAGS = -O3 -march=$(MARCH)
+export CGO_CPPFLAGS = -DGGML_USE_CPU_REPACK $(GGML_INC)
+TAGS      ?= repack
+
+.PHONY: build portable test test-short vet fmt proto bench clean env
+
+build:
+	$(GO) build -tags '$(TAGS)' -o bin/meshnode ./cmd/meshnode
+
+portable:
+	$(MAKE) build MARCH=x86-64-v3
+
+# Prints the environment that `make` uses, for running go commands by hand:
+#   eval "$$(make -s env)"; go test -tags repack ./ggufstage/
+env:
+	@echo "export CGO_ENABLED=1 CGO_CFLAGS='$(CGO_CFLAGS)' CGO_CXXFLAGS='$(CGO_CXXFLAGS)' CGO_CPPFLAGS='$(CGO_CPPFLAGS)'"
+
+test:
+	$(GO) vet -tags '$(TAGS)' ./...
+	$(GO) test -tags '$(TAGS)' -count=1 -timeout 60m ./...
+
+vet:
+	$(GO) vet -tags '$(TAGS)' ./...
+	test -z "$$(gofmt -l .)"
+
+proto:
+	buf generate
+
+bench: build
+	./bin/meshnode bench
+
+clean:
+	rm -rf bin
