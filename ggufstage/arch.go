@@ -1,0 +1,133 @@
+package ggufstage
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/ollama/ollama/kvcache"
+	"github.com/ollama/ollama/ml"
+	"github.com/ollama/ollama/model"
+	"github.com/ollama/ollama/model/models/llama"
+	"github.com/ollama/ollama/model/models/qwen2"
+	"github.com/ollama/ollama/model/models/qwen3"
+)
+
+// Architectures lists what the engine runs. Mistral's dense models and
+// TinyLlama / SmolLM are "llama" in GGUF.
+var Architectures = []string{"llama", "qwen2", "qwen3"}
+
+// ErrUnsupportedArch is wrapped when a file's architecture is not one of
+// Architectures.
+var ErrUnsupportedArch = fmt.Errorf("unsupported architecture")
+
+func checkArch(arch string) error {
+	if slices.Contains(Architectures, arch) {
+		return nil
+	}
+	return fmt.Errorf("%w %q: meshnode's ggml engine supports %s", ErrUnsupportedArch, arch, strings.Join(Architectures, ", "))
+}
+
+// adapter exposes the three pieces of a decoder-only model that a stage
+// needs, on top of ollama's per-architecture model code. The layers are
+// ollama's own, so a split run computes exactly what the unsplit one does.
+type adapter interface {
+	embed(ctx ml.Context, tokens ml.Tensor) ml.Tensor
+	layer(ctx ml.Context, i int, hidden, positions, outputs ml.Tensor, cache kvcache.Cache) ml.Tensor
+	head(ctx ml.Context, hidden ml.Tensor) ml.Tensor
+	// required lists the tensor names a stage [start,end) cannot run without.
+	required(start, end, layers int) []string
+}
+
+func newAdapter(m model.Model, eps float32) (adapter, error) {
+	switch m := m.(type) {
+	case *llama.Model:
+		return llamaAdapter{m, eps}, nil
+	case *qwen2.Model:
+		return qwen2Adapter{m, eps}, nil
+	case *qwen3.Model:
+		return qwen3Adapter{m, eps}, nil
+	}
+	return nil, fmt.Errorf("%w: no stage adapter for model type %T", ErrUnsupportedArch, m)
+}
+
+// commonRequired are the tensors of a llama-family block.
+var commonRequired = []string{
+	"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+	"ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+}
+
+func requiredTensors(start, end, layers int, perBlock []string) []string {
+	var names []string
+	if start == 0 {
+		names = append(names, "token_embd.weight")
+	}
+	for i := start; i < end; i++ {
+		for _, n := range perBlock {
+			names = append(names, fmt.Sprintf("blk.%d.%s", i, n))
+		}
+	}
+	if end == layers {
+		names = append(names, "output_norm.weight", "output.weight")
+	}
+	return names
+}
+
+type llamaAdapter struct {
+	m   *llama.Model
+	eps float32
+}
+
+func (a llamaAdapter) embed(ctx ml.Context, t ml.Tensor) ml.Tensor {
+	return a.m.TokenEmbedding.Forward(ctx, t)
+}
+
+func (a llamaAdapter) layer(ctx ml.Context, i int, h, pos, out ml.Tensor, c kvcache.Cache) ml.Tensor {
+	return a.m.Layers[i].Forward(ctx, h, pos, out, c, &a.m.Options)
+}
+
+func (a llamaAdapter) head(ctx ml.Context, h ml.Tensor) ml.Tensor {
+	return a.m.Output.Forward(ctx, a.m.OutputNorm.Forward(ctx, h, a.eps))
+}
+
+func (a llamaAdapter) required(s, e, l int) []string { return requiredTensors(s, e, l, commonRequired) }
+
+type qwen2Adapter struct {
+	m   *qwen2.Model
+	eps float32
+}
+
+func (a qwen2Adapter) embed(ctx ml.Context, t ml.Tensor) ml.Tensor {
+	return a.m.TokenEmbedding.Forward(ctx, t)
+}
+
+func (a qwen2Adapter) layer(ctx ml.Context, i int, h, pos, out ml.Tensor, c kvcache.Cache) ml.Tensor {
+	return a.m.Layers[i].Forward(ctx, h, pos, out, c, &a.m.Options)
+}
+
+func (a qwen2Adapter) head(ctx ml.Context, h ml.Tensor) ml.Tensor {
+	return a.m.Output.Forward(ctx, a.m.OutputNorm.Forward(ctx, h, a.eps))
+}
+
+func (a qwen2Adapter) required(s, e, l int) []string { return requiredTensors(s, e, l, commonRequired) }
+
+type qwen3Adapter struct {
+	m   *qwen3.Model
+	eps float32
+}
+
+func (a qwen3Adapter) embed(ctx ml.Context, t ml.Tensor) ml.Tensor {
+	return a.m.TokenEmbedding.Forward(ctx, t)
+}
+
+func (a qwen3Adapter) layer(ctx ml.Context, i int, h, pos, out ml.Tensor, c kvcache.Cache) ml.Tensor {
+	return a.m.Layers[i].Forward(ctx, h, pos, out, c, a.m.Options)
+}
+
+func (a qwen3Adapter) head(ctx ml.Context, h ml.Tensor) ml.Tensor {
+	return a.m.Output.Forward(ctx, a.m.OutputNorm.Forward(ctx, h, a.eps))
+}
+
+func (a qwen3Adapter) required(s, e, l int) []string {
+	return requiredTensors(s, e, l, append(slices.Clone(commonRequired), "attn_q_norm.weight", "attn_k_norm.weight"))
+}

@@ -1,0 +1,341 @@
+// Package ggufstage is the StageEngine on llama.cpp's ggml, reached through
+// the Go packages of ollama (pinned at v0.17.4): it loads a GGUF slice that
+// holds only its layers and runs them with ollama's own layer code, so that
+// a model split into stages computes what the unsplit model computes.
+package ggufstage
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"runtime"
+	"runtime/debug"
+	"sync"
+
+	"github.com/ollama/ollama/kvcache"
+	"github.com/ollama/ollama/ml"
+	_ "github.com/ollama/ollama/ml/backend/ggml" // registers the ggml backend
+	"github.com/ollama/ollama/model"
+	"github.com/ollama/ollama/model/input"
+
+	"github.com/meshnode/meshnode/ggufstage/gguf"
+	"github.com/meshnode/meshnode/stage"
+)
+
+// Options configure an engine.
+type Options struct {
+	Threads        int         // CPU threads; 0 = all cores
+	Context        int         // positions per sequence; 0 = the model's, capped at 4096
+	MaxSeqs        int         // sequences with KV at once; 0 = 4
+	BatchSize      int         // most tokens in one forward pass; 0 = 512
+	FlashAttention bool        // ggml's fused attention kernel
+	KVType         ml.DType    // 0 = f16
+	WireDType      stage.DType // 0 = f16
+	NoRepack       bool        // keep quantized weights in ggml's plain layout
+}
+
+// Engine runs layers [Start,End) of a GGUF model. It is safe for use by
+// several goroutines; compute is serialized.
+type Engine struct {
+	mu      sync.Mutex
+	info    stage.Info
+	m       model.Model
+	backend ml.Backend
+	cache   kvcache.Cache
+	arch    adapter
+	slots   map[stage.SeqID]int
+	free    []int
+	weights uint64
+	extra   io.Closer // repacked weight buffers, freed after the backend
+	batch   int
+	closed  bool
+}
+
+var _ stage.Engine = (*Engine)(nil)
+
+// Open loads a stage from a GGUF file that holds (at least) the tensors of
+// layers [start,end): a slice written by Slice, or a whole model.
+func Open(path string, start, end int, opts Options) (e *Engine, err error) {
+	defer recoverErr(&err, "loading "+path)
+
+	meta, err := readHeader(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkArch(meta.Arch()); err != nil {
+		return nil, err
+	}
+	layers, err := meta.BlockCount()
+	if err != nil {
+		return nil, err
+	}
+	if start < 0 || end > layers || start >= end {
+		return nil, fmt.Errorf("layer range [%d,%d) is not inside the model's %d layers", start, end, layers)
+	}
+	if opts.Threads <= 0 {
+		opts.Threads = runtime.NumCPU()
+	}
+	if opts.MaxSeqs <= 0 {
+		opts.MaxSeqs = 4
+	}
+	if opts.BatchSize <= 0 {
+		opts.BatchSize = 512
+	}
+	if opts.WireDType == 0 {
+		opts.WireDType = stage.F16
+	}
+	if opts.KVType == ml.DTypeOther {
+		opts.KVType = ml.DTypeF16
+	}
+	modelCtx, _ := meta.ArchUint("context_length")
+	if opts.Context <= 0 {
+		opts.Context = int(min(max(modelCtx, 1), 4096))
+	}
+
+	fa := ml.FlashAttentionDisabled
+	if opts.FlashAttention {
+		fa = ml.FlashAttentionEnabled
+	}
+	m, err := model.New(path, ml.BackendParams{AllocMemory: true, NumThreads: opts.Threads, FlashAttention: fa})
+	if err != nil {
+		if errors.Is(err, model.ErrUnsupportedModel) {
+			return nil, fmt.Errorf("loading %s: %w", path, checkArch("unknown"))
+		}
+		return nil, fmt.Errorf("loading %s: %w", path, err)
+	}
+	e = &Engine{m: m, backend: m.Backend(), cache: m.Config().Cache, batch: opts.BatchSize}
+	defer func() {
+		if err != nil {
+			e.Close()
+		}
+	}()
+	eps, _ := meta.Get(meta.Arch() + ".attention.layer_norm_rms_epsilon")
+	epsf, _ := eps.V.(float32)
+	if e.arch, err = newAdapter(m, epsf); err != nil {
+		return nil, err
+	}
+	for _, name := range e.arch.required(start, end, layers) {
+		if e.backend.Get(name) == nil {
+			return nil, fmt.Errorf("%w: %s has no tensor %s, needed for layers [%d,%d)", gguf.ErrFormat, path, name, start, end)
+		}
+	}
+	if e.weights, e.extra, err = loadWeights(e.backend, path, meta, end == layers, !opts.NoRepack); err != nil {
+		return nil, err
+	}
+	if e.cache == nil {
+		return nil, fmt.Errorf("model %s has no KV cache", meta.Arch())
+	}
+	e.cache.Init(e.backend, opts.KVType, opts.MaxSeqs, opts.Context*opts.MaxSeqs, opts.BatchSize)
+
+	vocab := 0
+	if v, ok := meta.Get("tokenizer.ggml.tokens"); ok {
+		if s, ok := v.V.([]string); ok {
+			vocab = len(s)
+		}
+	}
+	if out, ok := meta.Tensor("output.weight"); ok {
+		vocab = int(out.Shape[1])
+	} else if emb, ok := meta.Tensor("token_embd.weight"); ok {
+		vocab = int(emb.Shape[1])
+	}
+	embd, _ := meta.ArchUint("embedding_length")
+	e.info = stage.Info{
+		Arch: meta.Arch(), Layers: layers, Embd: int(embd), Vocab: vocab,
+		Start: start, End: end, Context: opts.Context, MaxSeqs: opts.MaxSeqs,
+		WireDType: opts.WireDType, Engine: "ggml", Backend: "CPU",
+	}
+	e.slots = make(map[stage.SeqID]int)
+	for i := opts.MaxSeqs - 1; i >= 0; i-- {
+		e.free = append(e.free, i)
+	}
+	return e, nil
+}
+
+func readHeader(path string) (*gguf.File, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("opening model: %w", err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("opening model: %w", err)
+	}
+	meta, err := gguf.Read(f, st.Size())
+	if err != nil {
+		return nil, fmt.Errorf("reading %s: %w", path, err)
+	}
+	return meta, nil
+}
+
+// recoverErr turns a panic from ggml or ollama into an error: ggml reports
+// failures (out of memory, bad shapes) by panicking.
+func recoverErr(err *error, doing string) {
+	if r := recover(); r != nil {
+		*err = fmt.Errorf("%s: engine panic: %v\n%s", doing, r, debug.Stack())
+	}
+}
+
+// Info describes the stage.
+func (e *Engine) Info() stage.Info { return e.info }
+
+// WeightBytes is the memory ggml allocated for this stage's weights.
+func (e *Engine) WeightBytes() uint64 { return e.weights }
+
+// Open reserves a cache slot for seq.
+func (e *Engine) Open(seq stage.SeqID) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if _, ok := e.slots[seq]; ok {
+		return fmt.Errorf("%w: %d", stage.ErrSeqExists, seq)
+	}
+	if len(e.free) == 0 {
+		return fmt.Errorf("%w (%d sequences open)", stage.ErrNoSlot, len(e.slots))
+	}
+	slot := e.free[len(e.free)-1]
+	e.free = e.free[:len(e.free)-1]
+	e.slots[seq] = slot
+	return nil
+}
+
+// Trim drops seq's cached positions >= pos.
+func (e *Engine) Trim(seq stage.SeqID, pos int32) (err error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	defer recoverErr(&err, "trimming cache")
+	slot, ok := e.slots[seq]
+	if !ok {
+		return fmt.Errorf("%w: %d", stage.ErrUnknownSeq, seq)
+	}
+	return e.cache.Remove(slot, max(pos, 0), math.MaxInt32)
+}
+
+// Release frees seq's slot and its cache.
+func (e *Engine) Release(seq stage.SeqID) (err error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	defer recoverErr(&err, "releasing cache")
+	slot, ok := e.slots[seq]
+	if !ok {
+		return fmt.Errorf("%w: %d", stage.ErrUnknownSeq, seq)
+	}
+	delete(e.slots, seq)
+	e.free = append(e.free, slot)
+	return e.cache.Remove(slot, 0, math.MaxInt32)
+}
+
+// Forward runs the batch through the stage's layers.
+func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output, err error) {
+	if err := b.Validate(e.info); err != nil {
+		return nil, err
+	}
+	if b.Rows() > e.batch {
+		return nil, fmt.Errorf("stage: batch of %d rows is over the engine's %d", b.Rows(), e.batch)
+	}
+	var hidden []float32
+	if !e.info.First() {
+		if hidden, err = b.Hidden.Float32(); err != nil {
+			return nil, err
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return nil, errors.New("stage: engine is closed")
+	}
+	defer recoverErr(&err, "forward pass")
+
+	slots := make([]int, b.Rows())
+	for r, s := range b.Seqs {
+		slot, ok := e.slots[s]
+		if !ok {
+			return nil, fmt.Errorf("%w: %d (row %d)", stage.ErrUnknownSeq, s, r)
+		}
+		slots[r] = slot
+	}
+
+	gctx := e.backend.NewContext()
+	defer gctx.Close()
+
+	n := b.Rows()
+	batch := input.Batch{Positions: b.Pos, Sequences: slots}
+	if e.info.First() {
+		batch.Inputs = gctx.Input().FromInts(b.Tokens, n)
+	}
+	last := e.info.Last() && len(b.Outputs) > 0
+	if last {
+		outs := make([]int32, len(b.Outputs))
+		for i, o := range b.Outputs {
+			outs[i] = int32(o)
+		}
+		batch.Outputs = gctx.Input().FromInts(outs, len(outs))
+	}
+	if err := e.cache.StartForward(gctx, batch, false); err != nil {
+		return nil, fmt.Errorf("placing batch in the KV cache: %w", err)
+	}
+	positions := gctx.Input().FromInts(b.Pos, n)
+
+	var h ml.Tensor
+	if e.info.First() {
+		h = e.arch.embed(gctx, batch.Inputs)
+	} else {
+		h = gctx.Input().FromFloats(hidden, e.info.Embd, n)
+	}
+	for i := e.info.Start; i < e.info.End; i++ {
+		e.cache.SetLayer(i)
+		var outputs ml.Tensor
+		if last && i == e.info.End-1 {
+			outputs = batch.Outputs
+		}
+		h = e.arch.layer(gctx, i, h, positions, outputs, e.cache)
+	}
+	if last {
+		h = e.arch.head(gctx, h)
+	}
+	gctx.Forward(h).Compute(h)
+	floats := h.Floats()
+
+	out = &stage.Output{}
+	switch {
+	case last:
+		if len(floats) != len(b.Outputs)*e.info.Vocab {
+			return nil, fmt.Errorf("stage: head produced %d logits, want %d×%d", len(floats), len(b.Outputs), e.info.Vocab)
+		}
+		out.Logits = floats
+	case e.info.Last():
+		// A prefill chunk with no output rows: the cache is filled, nothing to return.
+	default:
+		if out.Hidden, err = stage.NewActivation(stage.F32, n, e.info.Embd, floats); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// Close frees the engine's memory.
+func (e *Engine) Close() (err error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return nil
+	}
+	e.closed = true
+	defer recoverErr(&err, "closing engine")
+	if e.cache != nil {
+		e.cache.Close()
+	}
+	if e.backend != nil {
+		e.backend.Close()
+	}
+	if e.extra != nil {
+		e.extra.Close()
+	}
+	return nil
+}

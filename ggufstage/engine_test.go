@@ -1,0 +1,259 @@
+package ggufstage
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"github.com/meshnode/meshnode/stage"
+)
+
+const storiesPath = "../../shared/models/stories260K.gguf"
+
+// pipeline chains in-process stages the way the mesh chains remote ones:
+// token ids into the first, activations (through the wire dtype) between.
+type pipeline struct {
+	stages []*Engine
+	wire   stage.DType
+}
+
+func (p *pipeline) open(t *testing.T, seqs ...stage.SeqID) {
+	t.Helper()
+	for _, s := range p.stages {
+		for _, q := range seqs {
+			if err := s.Open(q); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+func (p *pipeline) forward(t *testing.T, b stage.Batch) []float32 {
+	t.Helper()
+	ctx := context.Background()
+	var hidden *stage.Activation
+	for i, s := range p.stages {
+		sb := b
+		if i > 0 {
+			sb.Tokens = nil
+			sb.Hidden = hidden
+		}
+		out, err := s.Forward(ctx, &sb)
+		if err != nil {
+			t.Fatalf("stage %s: %v", s.Info().Range(), err)
+		}
+		if i == len(p.stages)-1 {
+			return out.Logits
+		}
+		hidden = out.Hidden
+		if p.wire != stage.F32 {
+			f, _ := hidden.Float32()
+			hidden, _ = stage.NewActivation(p.wire, hidden.Rows, hidden.Cols, f)
+		}
+	}
+	return nil
+}
+
+func (p *pipeline) close() {
+	for _, s := range p.stages {
+		s.Close()
+	}
+}
+
+func openSplit(t *testing.T, src string, bounds []int, opts Options) *pipeline {
+	t.Helper()
+	dir := t.TempDir()
+	p := &pipeline{wire: stage.F32}
+	for i := 0; i+1 < len(bounds); i++ {
+		path, err := Slice(src, dir, bounds[i], bounds[i+1], nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e, err := Open(path, bounds[i], bounds[i+1], opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.stages = append(p.stages, e)
+	}
+	return p
+}
+
+func argmax(x []float32) int32 {
+	best := 0
+	for i, v := range x {
+		if v > x[best] {
+			best = i
+		}
+	}
+	return int32(best)
+}
+
+// scenario drives two sequences of different lengths through one mixed
+// prefill batch and then decode steps where both advance together, and
+// returns the logits of every step (two rows each).
+type scenario struct {
+	promptA, promptB []int32
+	steps            int
+}
+
+func (sc scenario) run(t *testing.T, fwd func(b stage.Batch) []float32, vocab int) [][]float32 {
+	t.Helper()
+	var b stage.Batch
+	for i, tok := range sc.promptA {
+		b.Seqs, b.Pos, b.Tokens = append(b.Seqs, 1), append(b.Pos, int32(i)), append(b.Tokens, tok)
+	}
+	for i, tok := range sc.promptB {
+		b.Seqs, b.Pos, b.Tokens = append(b.Seqs, 2), append(b.Pos, int32(i)), append(b.Tokens, tok)
+	}
+	b.Outputs = []int{len(sc.promptA) - 1, len(b.Seqs) - 1}
+	var all [][]float32
+	logits := fwd(b)
+	all = append(all, logits)
+	posA, posB := int32(len(sc.promptA)), int32(len(sc.promptB))
+	for range sc.steps {
+		next := stage.Batch{
+			Seqs:    []stage.SeqID{1, 2},
+			Pos:     []int32{posA, posB},
+			Tokens:  []int32{argmax(logits[:vocab]), argmax(logits[vocab:])},
+			Outputs: []int{0, 1},
+		}
+		logits = fwd(next)
+		all = append(all, logits)
+		posA++
+		posB++
+	}
+	return all
+}
+
+func maxAbsDiff(a, b []float32) float64 {
+	if len(a) != len(b) {
+		return math.Inf(1)
+	}
+	var d float64
+	for i := range a {
+		d = max(d, math.Abs(float64(a[i]-b[i])))
+	}
+	return d
+}
+
+var storiesScenario = scenario{
+	promptA: []int32{1, 403, 407, 261, 378, 300, 58},
+	promptB: []int32{1, 334, 280, 428},
+	steps:   3,
+}
+
+func TestOneStageMatchesStock(t *testing.T) {
+	opts := Options{Threads: 2, MaxSeqs: 2, Context: 256, NoRepack: true}
+	stock, err := OpenStock(storiesPath, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stock.Close()
+	want := storiesScenario.run(t, func(b stage.Batch) []float32 {
+		l, err := stock.Forward(&b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}, stock.Vocab())
+
+	p := openSplit(t, storiesPath, []int{0, 5}, opts)
+	defer p.close()
+	p.open(t, 1, 2)
+	got := storiesScenario.run(t, func(b stage.Batch) []float32 { return p.forward(t, b) }, p.stages[0].Info().Vocab)
+	for i := range want {
+		if d := maxAbsDiff(got[i], want[i]); d > 1e-5 {
+			t.Errorf("step %d: max |engine - ollama| = %g, want <= 1e-5", i, d)
+		}
+	}
+}
+
+func TestSplitEquivalence(t *testing.T) {
+	opts := Options{Threads: 2, MaxSeqs: 2, Context: 256}
+	ref := openSplit(t, storiesPath, []int{0, 5}, opts)
+	ref.open(t, 1, 2)
+	vocab := ref.stages[0].Info().Vocab
+	want := storiesScenario.run(t, func(b stage.Batch) []float32 { return ref.forward(t, b) }, vocab)
+	ref.close()
+
+	splits := [][]int{{0, 1, 5}, {0, 2, 5}, {0, 3, 5}, {0, 4, 5}, {0, 2, 4, 5}}
+	for _, bounds := range splits {
+		t.Run(fmt.Sprint(bounds), func(t *testing.T) {
+			p := openSplit(t, storiesPath, bounds, opts)
+			defer p.close()
+			p.open(t, 1, 2)
+			got := storiesScenario.run(t, func(b stage.Batch) []float32 { return p.forward(t, b) }, vocab)
+			for i := range want {
+				if d := maxAbsDiff(got[i], want[i]); d > 1e-5 {
+					t.Errorf("step %d: max |split - whole| = %g", i, d)
+				}
+			}
+		})
+	}
+}
+
+func TestSliceHoldsOnlyItsTensors(t *testing.T) {
+	dir := t.TempDir()
+	for _, r := range [][2]int{{0, 2}, {2, 4}, {4, 5}} {
+		path, err := Slice(storiesPath, dir, r[0], r[1], nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		again, err := Slice(storiesPath, dir, r[0], r[1], nil)
+		if err != nil || again != path {
+			t.Fatalf("slice not reused: %s vs %s (%v)", again, path, err)
+		}
+		meta, err := readHeader(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var own uint64
+		for i := range meta.Tensors {
+			own += meta.Tensors[i].Size()
+		}
+		e, err := Open(path, r[0], r[1], Options{Threads: 1, MaxSeqs: 1, Context: 64})
+		if err != nil {
+			t.Fatal(err)
+		}
+		held := e.WeightBytes()
+		e.Close()
+		if held < own || float64(held) > 1.1*float64(own) {
+			t.Errorf("[%d,%d): holds %d weight bytes, own tensors are %d", r[0], r[1], held, own)
+		}
+		if filepath.Dir(path) != filepath.Join(dir, "slices") {
+			t.Errorf("slice written to %s", path)
+		}
+	}
+}
+
+func TestGreedyThroughF16Wire(t *testing.T) {
+	opts := Options{Threads: 2, MaxSeqs: 2, Context: 256}
+	gen := func(p *pipeline) []int32 {
+		p.open(t, 1)
+		toks := []int32{1}
+		var out []int32
+		for i := range 32 {
+			var b stage.Batch
+			if i == 0 {
+				b = stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{0}, Tokens: toks, Outputs: []int{0}}
+			} else {
+				b = stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{int32(i)}, Tokens: []int32{out[len(out)-1]}, Outputs: []int{0}}
+			}
+			out = append(out, argmax(p.forward(t, b)))
+		}
+		return out
+	}
+	whole := openSplit(t, storiesPath, []int{0, 5}, opts)
+	want := gen(whole)
+	whole.close()
+	split := openSplit(t, storiesPath, []int{0, 2, 5}, opts)
+	split.wire = stage.F16
+	got := gen(split)
+	split.close()
+	if !slices.Equal(got, want) {
+		t.Fatalf("f16 wire tokens differ:\n got %v\nwant %v", got, want)
+	}
+}

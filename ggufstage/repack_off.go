@@ -1,0 +1,16 @@
+//go:build !repack || !cgo
+
+package ggufstage
+
+// repacker is absent from builds without the repack tag: quantized weights
+// stay in ggml's plain layout (correct, slower on CPU).
+type repacker struct{}
+
+func newRepacker() *repacker { return nil }
+
+func (*repacker) take(any, []byte) bool { return false }
+
+func (*repacker) Close() error { return nil }
+
+// RepackAvailable reports whether this build can repack weights.
+const RepackAvailable = false

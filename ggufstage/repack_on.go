@@ -1,0 +1,148 @@
+//go:build repack && cgo
+
+package ggufstage
+
+// The fast CPU path: quantized matmul weights are moved into ggml's
+// CPU_REPACK buffer type, whose set_tensor interleaves rows so that the
+// AVX2/NEON kernels read them in one stream. ollama never asks for this
+// buffer type; upstream llama.cpp does, and it is worth ~2x on Q4_0.
+// Building it needs ggml's headers (CGO_CPPFLAGS from the Makefile) and
+// ggml-cpu compiled with -DGGML_USE_CPU_REPACK.
+
+/*
+#include <stdlib.h>
+#include <string.h>
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+static ggml_backend_buffer_type_t meshnode_repack_buft(void) {
+	ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+	if (dev == NULL) return NULL;
+	ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+	ggml_backend_dev_get_extra_bufts_t get =
+		(ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
+	if (get == NULL) return NULL;
+	for (ggml_backend_buffer_type_t * b = get(dev); b != NULL && *b != NULL; b++) {
+		if (strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) return *b;
+	}
+	return NULL;
+}
+
+// meshnode_repack_ok mirrors the conditions under which ggml's repack code
+// has a kernel for the tensor; set_tensor aborts on any other tensor.
+static int meshnode_repack_ok(const struct ggml_tensor * t) {
+	if (ggml_n_dims(t) != 2) return 0;
+	switch (t->type) {
+	case GGML_TYPE_Q4_0:
+		if (ggml_cpu_has_avx2()) return t->ne[1] % 8 == 0;
+		if (ggml_cpu_has_neon() && (ggml_cpu_has_matmul_int8() || ggml_cpu_has_dotprod())) return t->ne[1] % 4 == 0;
+		return 0;
+	case GGML_TYPE_Q4_K:
+		if (ggml_cpu_has_avx2()) return t->ne[1] % 8 == 0;
+		if (ggml_cpu_has_neon() && (ggml_cpu_has_matmul_int8() || ggml_cpu_has_dotprod())) return t->ne[1] % 8 == 0;
+		return 0;
+	case GGML_TYPE_IQ4_NL:
+		if (ggml_cpu_has_avx2()) return t->ne[1] % 8 == 0;
+		if (ggml_cpu_has_neon() && ggml_cpu_has_dotprod()) return t->ne[1] % 4 == 0;
+		return 0;
+	default:
+		return 0;
+	}
+}
+
+// meshnode_repack re-homes t into a new repack buffer filled from data. The
+// tensor's old storage (in ollama's weight buffer) is never written, so its
+// pages are never made resident.
+static ggml_backend_buffer_t meshnode_repack(ggml_backend_buffer_type_t buft, struct ggml_tensor * t, const void * data) {
+	size_t size = ggml_backend_buft_get_alloc_size(buft, t);
+	ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, size);
+	if (buf == NULL) return NULL;
+	ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+	t->buffer = NULL;
+	t->data = NULL;
+	if (ggml_backend_tensor_alloc(buf, t, ggml_backend_buffer_get_base(buf)) != GGML_STATUS_SUCCESS) {
+		ggml_backend_buffer_free(buf);
+		return NULL;
+	}
+	ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
+	return buf;
+}
+*/
+import "C"
+
+import (
+	"reflect"
+	"strings"
+	"unsafe"
+
+	"github.com/ollama/ollama/ml"
+)
+
+// RepackAvailable reports whether this build can repack weights.
+const RepackAvailable = true
+
+type repacker struct {
+	buft C.ggml_backend_buffer_type_t
+	bufs []C.ggml_backend_buffer_t
+}
+
+func newRepacker() *repacker {
+	buft := C.meshnode_repack_buft()
+	if buft == nil {
+		return nil // ggml-cpu was built without GGML_USE_CPU_REPACK
+	}
+	return &repacker{buft: buft}
+}
+
+// cTensor digs the ggml tensor out of ollama's ml.Tensor. The field is
+// unexported; its layout is fixed by the exact ollama version pinned in
+// go.mod, and TestRepackedMatchesPlain fails if this ever goes wrong.
+func cTensor(t ml.Tensor) *C.struct_ggml_tensor {
+	v := reflect.ValueOf(t)
+	if v.Kind() != reflect.Pointer || v.Elem().Kind() != reflect.Struct {
+		return nil
+	}
+	f := v.Elem().FieldByName("t")
+	if !f.IsValid() || f.Kind() != reflect.Pointer {
+		return nil
+	}
+	return (*C.struct_ggml_tensor)(unsafe.Pointer(f.Pointer()))
+}
+
+// take repacks target from data when ggml has a repacked kernel for it, and
+// reports whether it did. The token embedding is read by row lookups, not
+// matmuls, so it always stays plain.
+func (r *repacker) take(target ml.Tensor, data []byte) bool {
+	if r == nil || len(data) == 0 {
+		return false
+	}
+	ct := cTensor(target)
+	if ct == nil || C.meshnode_repack_ok(ct) == 0 {
+		return false
+	}
+	if strings.HasPrefix(C.GoString(C.ggml_get_name(ct)), "token_embd") {
+		return false
+	}
+	if uint64(C.ggml_nbytes(ct)) != uint64(len(data)) {
+		return false
+	}
+	buf := C.meshnode_repack(r.buft, ct, unsafe.Pointer(&data[0]))
+	if buf == nil {
+		return false
+	}
+	r.bufs = append(r.bufs, buf)
+	return true
+}
+
+// Close frees the repacked buffers; call it after the backend is closed.
+func (r *repacker) Close() error {
+	if r == nil {
+		return nil
+	}
+	for _, b := range r.bufs {
+		C.ggml_backend_buffer_free(b)
+	}
+	r.bufs = nil
+	return nil
+}
