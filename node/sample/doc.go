@@ -1,0 +1,35 @@
+// Package sample picks the next token from a model's logits.
+//
+// Order of operations in Sampler.Sample:
+//
+//  1. Penalties over the last RepeatLastN tokens of the history (prompt and
+//     generated tokens): the repetition penalty, llama.cpp style (positive
+//     logits divided by it, negative ones multiplied), then the frequency
+//     and presence penalties, OpenAI style (logit -= count*frequency +
+//     presence for every token seen).
+//  2. Temperature 0: greedy argmax, ties to the lowest token id.
+//  3. Otherwise top-k, softmax with the temperature, top-p (the smallest set
+//     of most likely tokens whose mass reaches p), min-p (tokens at least
+//     min_p times as likely as the most likely one, which always stays),
+//     then one draw from a PCG generator seeded from Params.Seed. A mass or
+//     ratio within 1e-6 (relative) of top_p or min_p counts as reaching it,
+//     since float32 logits carry no more precision than that.
+//
+// NaN logits count as -Inf and +Inf as the largest finite logit. If no token
+// has a logit above -Inf (a broken model, or a fully masked vocabulary) there
+// is nothing to sample from; Sample then falls back to the deterministic
+// argmax, which is token 0, and draws no random number.
+//
+// # Reproducibility
+//
+// The same Params (with a Seed), logits and history give the same tokens.
+// Every non-greedy Sample call takes exactly one number from the random
+// stream, and Sampler.MarshalBinary captures the position in it, so a
+// request moved to another node continues the identical token stream there.
+// The arithmetic avoids per-architecture math routines, so nodes of
+// different architectures agree when their logits do.
+//
+// A Sampler reuses its scratch space, so sampling does not allocate in the
+// steady state, and it never sorts the vocabulary: top-k keeps a heap of the
+// k best, top-p partitions like quickselect.
+package sample

@@ -1,0 +1,433 @@
+package sample
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+)
+
+// Sampler draws tokens for one sequence. It keeps scratch space between
+// calls, so sampling a token does not allocate; it is not safe for
+// concurrent use.
+type Sampler struct {
+	p      Params
+	window int // penalty window; -1 is the whole history
+	src    *rand.PCG
+	rng    *rand.Rand
+
+	logits []float32       // working copy: the caller's slice is never written
+	cands  []cand          // candidate tokens
+	counts map[int32]int32 // token counts in the penalty window
+}
+
+type cand struct {
+	id    int32
+	logit float32
+	w     float64 // unnormalised probability, exp((logit-max)/T)
+}
+
+// pcgStream is the fixed second word of the PCG seed, so that one int64 seed
+// names one stream.
+const pcgStream = 0x6d6573686e6f6465 // "meshnode"
+
+// New returns a sampler for p. It does not validate p (call Params.Validate
+// first); out-of-range values do not make it panic.
+func New(p Params) *Sampler {
+	seed := rand.Uint64()
+	if p.Seed != nil {
+		seed = uint64(*p.Seed)
+	}
+	window := p.RepeatLastN
+	if window == 0 {
+		window = DefaultRepeatLastN
+	}
+	src := rand.NewPCG(seed, pcgStream)
+	return &Sampler{p: p, window: window, src: src, rng: rand.New(src), counts: map[int32]int32{}}
+}
+
+// Sample returns the next token given the logits over the vocabulary and the
+// sequence's tokens so far (prompt and generated), which feed the penalties.
+// It returns -1 for empty logits. Each call that is not greedy consumes
+// exactly one number from the random stream, whatever the logits, so the
+// stream stays aligned with the token count.
+func (s *Sampler) Sample(logits []float32, history []int32) int32 {
+	cs, pick := s.candidates(logits, history)
+	if pick >= 0 || len(cs) == 0 {
+		return pick
+	}
+	return s.draw(cs)
+}
+
+// candidates applies penalties and filters. It returns either a
+// deterministic pick (>= 0, or -1 for empty logits, with no candidates) or
+// the candidates to draw from, in a fixed order.
+func (s *Sampler) candidates(logits []float32, history []int32) ([]cand, int32) {
+	n := len(logits)
+	if n == 0 {
+		return nil, -1
+	}
+	if cap(s.logits) < n {
+		s.logits = make([]float32, n)
+		s.cands = make([]cand, 0, n)
+	}
+	l := s.logits[:n]
+	for i, x := range logits {
+		l[i] = sanitize(x)
+	}
+	s.penalize(l, history)
+
+	top := argmax(l)
+	if !(s.p.Temperature > 0) || math.IsInf(float64(l[top]), -1) {
+		return nil, top
+	}
+	maxLogit := float64(l[top])
+	invT := 1 / float64(s.p.Temperature)
+
+	var cs []cand
+	if k := s.p.TopK; k > 0 && k < n {
+		cs = s.topK(l, k)
+	} else {
+		cs = s.cands[:n]
+		for i, x := range l {
+			cs[i] = cand{id: int32(i), logit: x}
+		}
+	}
+	if invT == 0 {
+		invT = math.SmallestNonzeroFloat64 // so that -Inf*invT is -Inf, not NaN
+	}
+	topP := float64(s.p.TopP)
+	// While weighing for top-p, move the likely tokens (weight >=
+	// headWeight) to the front. They are the best tokens, so when they hold
+	// the top-p mass the nucleus is among them and the rest of the
+	// vocabulary need not be searched.
+	total, head, headMass := 0.0, 0, 0.0
+	for i := range cs {
+		w := expNonPositive((float64(cs[i].logit) - maxLogit) * invT) // 0 for -Inf
+		cs[i].w = w
+		total += w
+		if topP < 1 && w >= headWeight {
+			cs[head], cs[i] = cs[i], cs[head]
+			head++
+			headMass += w
+		}
+	}
+	if topP < 1 {
+		target := topP * total * (1 - slack)
+		if headMass >= target {
+			cs = cs[:nucleus(cs[:head], target)]
+		} else {
+			cs = cs[:nucleus(cs, target)]
+		}
+	}
+	// min-p compares with the best token, whose weight is 1; the best stays
+	// whatever min_p says.
+	if minP := float64(s.p.MinP) * (1 - slack); minP > 0 {
+		kept := cs[:0]
+		for _, c := range cs {
+			if c.w >= minP || c.w == 1 {
+				kept = append(kept, c)
+			}
+		}
+		cs = kept
+	}
+	return cs, -1
+}
+
+// headWeight is the weight, relative to the best token's, above which a
+// token is likely enough to be looked at first for top-p.
+const headWeight = 1e-4
+
+// slack lets a mass or ratio that equals top_p or min_p up to the precision
+// of float32 logits count as reaching it, so boundaries behave as the
+// arithmetic says rather than flipping on rounding noise.
+const slack = 1e-6
+
+// nucleus reorders cs so that cs[:k] is the smallest set of best candidates
+// (in the order of better) whose weights sum to at least target, and returns
+// k, at least 1. It partitions like quickselect, so it takes linear time
+// however large the nucleus is; cs[:k] is left in no particular, but
+// deterministic, order.
+func nucleus(cs []cand, target float64) int {
+	if len(cs) == 0 {
+		return 0
+	}
+	if target <= 0 {
+		best := 0
+		for i := range cs {
+			if better(cs[i], cs[best]) {
+				best = i
+			}
+		}
+		cs[0], cs[best] = cs[best], cs[0]
+		return 1
+	}
+	// cs[:lo] is in the nucleus with mass acc < target; it ends in cs[lo:hi].
+	lo, hi, acc := 0, len(cs), 0.0
+	for hi-lo > 16 {
+		p := partition(cs[lo:hi]) + lo
+		mass := 0.0
+		for _, c := range cs[lo:p] {
+			mass += c.w
+		}
+		switch {
+		case acc+mass >= target:
+			hi = p
+		case acc+mass+cs[p].w >= target:
+			return p + 1
+		default:
+			acc += mass + cs[p].w
+			lo = p + 1
+		}
+	}
+	slices.SortFunc(cs[lo:hi], compareCands)
+	for i := lo; i < hi; i++ {
+		acc += cs[i].w
+		if acc >= target {
+			return i + 1
+		}
+	}
+	return max(hi, 1) // rounding: the whole range was needed
+}
+
+// partition moves the candidates better than a pivot before it and the
+// worse ones after it, and returns the pivot's index. The pivot is the
+// median of three, so sorted input does not make it quadratic.
+func partition(cs []cand) int {
+	last := len(cs) - 1
+	mid := last / 2
+	if better(cs[mid], cs[0]) {
+		cs[0], cs[mid] = cs[mid], cs[0]
+	}
+	if better(cs[last], cs[0]) {
+		cs[0], cs[last] = cs[last], cs[0]
+	}
+	if better(cs[last], cs[mid]) {
+		cs[mid], cs[last] = cs[last], cs[mid]
+	}
+	cs[mid], cs[last] = cs[last], cs[mid] // the median is the pivot, at the end
+	pivot, store := cs[last], 0
+	for i := range last {
+		if better(cs[i], pivot) {
+			cs[i], cs[store] = cs[store], cs[i]
+			store++
+		}
+	}
+	cs[store], cs[last] = cs[last], cs[store]
+	return store
+}
+
+// expNonPositive is e^x for x <= 0, with relative error below 1e-12. It is
+// pure arithmetic with explicit rounding, so every platform computes the same
+// bits (math.Exp has per-architecture assembly), which keeps a request
+// resumed on another node on the same tokens; it is also a little faster.
+func expNonPositive(x float64) float64 {
+	if !(x >= -745) { // also -Inf and NaN
+		return 0
+	}
+	// x = k*ln2 + r with |r| <= ln2/2, ln2 split in two for accuracy.
+	const (
+		ln2Hi = 6.93147180369123816490e-01
+		ln2Lo = 1.90821492927058770002e-10
+		log2e = 1.44269504088896338700e+00
+	)
+	k := math.Floor(float64(x*log2e) + 0.5)
+	r := float64(float64(x-float64(k*ln2Hi)) - float64(k*ln2Lo))
+	// Taylor series to r^11, the remainder below 1e-13 for |r| <= 0.35,
+	// evaluated by Estrin's scheme for a short dependency chain. The
+	// conversions stop the compiler fusing multiply-adds on some platforms
+	// only.
+	r2 := float64(r * r)
+	r4 := float64(r2 * r2)
+	c01 := 1 + r
+	c23 := 0.5 + float64(r*(1.0/6))
+	c45 := 1.0/24 + float64(r*(1.0/120))
+	c67 := 1.0/720 + float64(r*(1.0/5040))
+	c89 := 1.0/40320 + float64(r*(1.0/362880))
+	cab := 1.0/3628800 + float64(r*(1.0/39916800))
+	lo := c01 + float64(r2*c23)
+	mid := c45 + float64(r2*c67)
+	hi := c89 + float64(r2*cab)
+	p := lo + float64(r4*float64(mid+float64(r4*hi)))
+	// Scale by 2^k through the exponent bits; math.Ldexp handles cases that
+	// cannot occur here and costs as much as the polynomial.
+	if k < -1021 {
+		return math.Ldexp(p, int(k)) // the result is subnormal
+	}
+	return p * math.Float64frombits(uint64(int64(k)+1023)<<52)
+}
+
+// draw picks one candidate with probability proportional to its weight.
+func (s *Sampler) draw(cs []cand) int32 {
+	total := 0.0
+	for _, c := range cs {
+		total += c.w
+	}
+	u := s.rng.Float64() * total
+	acc, last := 0.0, cs[0].id
+	for _, c := range cs {
+		if c.w <= 0 {
+			continue
+		}
+		acc += c.w
+		last = c.id
+		if u < acc {
+			return c.id
+		}
+	}
+	return last // u rounded up to total
+}
+
+// penalize applies the repetition, frequency and presence penalties for the
+// tokens in the window.
+func (s *Sampler) penalize(l []float32, history []int32) {
+	rp, fp, pp := s.p.RepeatPenalty, s.p.FrequencyPenalty, s.p.PresencePenalty
+	repeat := rp > 0 && rp != 1
+	if (!repeat && fp == 0 && pp == 0) || len(history) == 0 {
+		return
+	}
+	if s.window >= 0 && len(history) > s.window {
+		history = history[len(history)-s.window:]
+	}
+	clear(s.counts)
+	for _, t := range history {
+		if t >= 0 && int(t) < len(l) {
+			s.counts[t]++
+		}
+	}
+	// Each token is changed once, so the map's order does not matter.
+	for t, c := range s.counts {
+		v := l[t]
+		if repeat {
+			if v > 0 {
+				v /= rp
+			} else {
+				v *= rp
+			}
+		}
+		v -= float32(float32(c)*fp) + pp // no fused multiply-add: same bits everywhere
+		l[t] = sanitize(v)
+	}
+}
+
+// sanitize makes NaN the lowest logit and +Inf the highest finite one, so
+// softmax never computes Inf-Inf.
+func sanitize(x float32) float32 {
+	switch {
+	case x != x:
+		return float32(math.Inf(-1))
+	case x > math.MaxFloat32:
+		return math.MaxFloat32
+	}
+	return x
+}
+
+// argmax returns the index of the largest value, the lowest index on ties.
+func argmax(l []float32) int32 {
+	best := 0
+	for i, x := range l {
+		if x > l[best] {
+			best = i
+		}
+	}
+	return int32(best)
+}
+
+// better orders candidates: higher logit first, then lower id, so that the
+// order is total and the selection deterministic.
+func better(a, b cand) bool {
+	return a.logit > b.logit || (a.logit == b.logit && a.id < b.id)
+}
+
+func compareCands(a, b cand) int {
+	switch {
+	case better(a, b):
+		return -1
+	case better(b, a):
+		return 1
+	}
+	return 0
+}
+
+// topK returns the k best tokens, best first, in s.cands. A heap of the k
+// best so far costs one comparison for most tokens, instead of sorting the
+// vocabulary.
+func (s *Sampler) topK(l []float32, k int) []cand {
+	h := s.cands[:0]
+	if k >= len(l) {
+		for i, x := range l {
+			h = append(h, cand{id: int32(i), logit: x})
+		}
+		slices.SortFunc(h, compareCands)
+		return h
+	}
+	// h is a min-heap: its root is the worst of the best k so far.
+	for i, x := range l {
+		c := cand{id: int32(i), logit: x}
+		if len(h) < k {
+			h = append(h, c)
+			for j := len(h) - 1; j > 0; {
+				parent := (j - 1) / 2
+				if !better(h[parent], h[j]) {
+					break
+				}
+				h[parent], h[j] = h[j], h[parent]
+				j = parent
+			}
+			continue
+		}
+		if x < h[0].logit || !better(c, h[0]) {
+			continue
+		}
+		h[0] = c
+		for j := 0; ; {
+			worst, left, right := j, 2*j+1, 2*j+2
+			if left < k && better(h[worst], h[left]) {
+				worst = left
+			}
+			if right < k && better(h[worst], h[right]) {
+				worst = right
+			}
+			if worst == j {
+				break
+			}
+			h[j], h[worst] = h[worst], h[j]
+			j = worst
+		}
+	}
+	slices.SortFunc(h, compareCands)
+	return h
+}
+
+// stateMagic prefixes the encoded state so a foreign blob is rejected; the
+// last byte is the format version.
+const stateMagic = "mnsample\x01"
+
+// MarshalBinary encodes the position in the random stream. A request moved
+// to another node (a failed or rebalanced pipeline) must continue the
+// identical token stream: the new node builds a Sampler from the same
+// Params, restores this state with UnmarshalBinary, and its next draws are
+// the ones the old node would have made. Params are not included; they
+// travel with the request.
+func (s *Sampler) MarshalBinary() ([]byte, error) {
+	b, err := s.src.MarshalBinary()
+	if err != nil {
+		return nil, fmt.Errorf("encoding sampler state: %w", err)
+	}
+	return append([]byte(stateMagic), b...), nil
+}
+
+// UnmarshalBinary restores a position in the random stream saved by
+// MarshalBinary.
+func (s *Sampler) UnmarshalBinary(data []byte) error {
+	rest, ok := bytes.CutPrefix(data, []byte(stateMagic))
+	if !ok {
+		return errors.New("decoding sampler state: not a meshnode sampler state")
+	}
+	if err := s.src.UnmarshalBinary(rest); err != nil {
+		return fmt.Errorf("decoding sampler state: %w", err)
+	}
+	return nil
+}
