@@ -1,0 +1,217 @@
+package wire
+
+import (
+	"errors"
+	"fmt"
+	"math"
+
+	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
+	"github.com/meshnode/meshnode/stage"
+)
+
+// EncodeBatch builds an activations frame from b's sequence ids, positions,
+// output rows and hidden states, converting the hidden states to dtype when
+// they are held in another one. Which dtype to send (f16 in the default
+// configuration) is the caller's choice, usually the receiver's
+// StageInfo.wire_dtype. The frame aliases b.Pos, and b.Hidden.Data when no
+// conversion is needed.
+func EncodeBatch(step uint64, b *stage.Batch, dtype stage.DType) (*meshnodev1.Frame, error) {
+	if b == nil {
+		return nil, badBatch("nil batch")
+	}
+	if dtype.Size() == 0 {
+		return nil, badBatch("unknown dtype %s", dtype)
+	}
+	if err := checkBatchRows(b); err != nil {
+		return nil, err
+	}
+	h := b.Hidden
+	if h == nil {
+		return nil, badBatch("activations frame needs hidden states")
+	}
+	if err := h.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrBadBatch, err)
+	}
+	if h.Rows != len(b.Seqs) {
+		return nil, badBatch("hidden states have %d rows for %d sequence ids", h.Rows, len(b.Seqs))
+	}
+	payload := h.Data
+	if h.DType != dtype {
+		var err error
+		if payload, err = convert(h.Data, h.DType, dtype); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrBadBatch, err)
+		}
+	}
+	return &meshnodev1.Frame{
+		Version: Version,
+		Step:    step,
+		Body: &meshnodev1.Frame_Activations{Activations: &meshnodev1.Activations{
+			SeqIds:     seqsToProto(b.Seqs),
+			Positions:  b.Pos,
+			Dtype:      DTypeToProto(dtype),
+			Rows:       uint32(h.Rows),
+			Cols:       uint32(h.Cols),
+			Payload:    payload,
+			OutputRows: outputsToProto(b.Outputs),
+		}},
+	}, nil
+}
+
+// DecodeBatch validates an activations frame against lim and returns it as
+// a batch for a stage that does not own layer 0. Hidden keeps the wire
+// dtype; Hidden.Data and Pos alias the frame.
+func DecodeBatch(f *meshnodev1.Frame, lim Limits) (*stage.Batch, error) {
+	if err := checkFrame(f); err != nil {
+		return nil, err
+	}
+	a := f.GetActivations()
+	if a == nil {
+		return nil, wrongBody(f, "activations")
+	}
+	b, err := decodeActivations(a, lim.resolved())
+	if err != nil {
+		return nil, frameErr(f, "activations", err)
+	}
+	return b, nil
+}
+
+func decodeActivations(a *meshnodev1.Activations, lim Limits) (*stage.Batch, error) {
+	dt, err := dtypeFromProto(a.GetDtype())
+	if err != nil {
+		return nil, err
+	}
+	rows, cols := a.GetRows(), a.GetCols()
+	if rows == 0 || cols == 0 {
+		return nil, fmt.Errorf("shape [%d,%d] is not positive", rows, cols)
+	}
+	if uint64(rows) > uint64(lim.MaxRows) {
+		return nil, fmt.Errorf("%d rows, over the limit of %d", rows, lim.MaxRows)
+	}
+	if uint64(cols) > uint64(lim.MaxCols) {
+		return nil, fmt.Errorf("%d cols, over the limit of %d", cols, lim.MaxCols)
+	}
+	want, ok := payloadSize(uint64(rows), uint64(cols), uint64(dt.Size()))
+	if !ok || want > uint64(lim.MaxPayload) {
+		return nil, fmt.Errorf("shape [%d,%d] %s is over the payload limit of %d bytes", rows, cols, dt, lim.MaxPayload)
+	}
+	if uint64(len(a.GetPayload())) != want {
+		return nil, fmt.Errorf("shape [%d,%d] %s needs %d payload bytes, got %d", rows, cols, dt, want, len(a.GetPayload()))
+	}
+	// rows <= MaxRows, an int, so the conversions below cannot wrap.
+	if err := checkRows(int(rows), len(a.GetSeqIds()), a.GetPositions(), a.GetOutputRows()); err != nil {
+		return nil, err
+	}
+	return &stage.Batch{
+		Seqs: seqsFromProto(a.GetSeqIds()),
+		Pos:  a.GetPositions(),
+		Hidden: &stage.Activation{
+			DType: dt,
+			Rows:  int(rows),
+			Cols:  int(cols),
+			Data:  a.GetPayload(),
+		},
+		Outputs: outputsFromProto(a.GetOutputRows()),
+	}, nil
+}
+
+// EncodeTokens builds a tokens frame from b's sequence ids, positions,
+// token ids and output rows: the input of a first stage, or (with no output
+// rows) the tokens that a last stage sampled. The frame aliases b.Pos and
+// b.Tokens.
+func EncodeTokens(step uint64, b *stage.Batch) (*meshnodev1.Frame, error) {
+	if b == nil {
+		return nil, badBatch("nil batch")
+	}
+	if err := checkBatchRows(b); err != nil {
+		return nil, err
+	}
+	if len(b.Tokens) != len(b.Seqs) {
+		return nil, badBatch("%d rows but %d token ids", len(b.Seqs), len(b.Tokens))
+	}
+	for r, t := range b.Tokens {
+		if t < 0 {
+			return nil, badBatch("row %d has negative token id %d", r, t)
+		}
+	}
+	return &meshnodev1.Frame{
+		Version: Version,
+		Step:    step,
+		Body: &meshnodev1.Frame_Tokens{Tokens: &meshnodev1.Tokens{
+			SeqIds:     seqsToProto(b.Seqs),
+			Positions:  b.Pos,
+			TokenIds:   b.Tokens,
+			OutputRows: outputsToProto(b.Outputs),
+		}},
+	}, nil
+}
+
+// DecodeTokens validates a tokens frame against lim (token ids must be
+// below MaxVocab; the engine checks its exact vocabulary) and returns it as
+// a batch. Pos and Tokens alias the frame.
+func DecodeTokens(f *meshnodev1.Frame, lim Limits) (*stage.Batch, error) {
+	if err := checkFrame(f); err != nil {
+		return nil, err
+	}
+	t := f.GetTokens()
+	if t == nil {
+		return nil, wrongBody(f, "tokens")
+	}
+	b, err := decodeTokens(t, lim.resolved())
+	if err != nil {
+		return nil, frameErr(f, "tokens", err)
+	}
+	return b, nil
+}
+
+func decodeTokens(t *meshnodev1.Tokens, lim Limits) (*stage.Batch, error) {
+	rows := len(t.GetSeqIds())
+	if rows == 0 {
+		return nil, errors.New("no rows")
+	}
+	if rows > lim.MaxRows {
+		return nil, fmt.Errorf("%d rows, over the limit of %d", rows, lim.MaxRows)
+	}
+	if err := checkRows(rows, rows, t.GetPositions(), t.GetOutputRows()); err != nil {
+		return nil, err
+	}
+	ids := t.GetTokenIds()
+	if len(ids) != rows {
+		return nil, fmt.Errorf("%d rows but %d token ids", rows, len(ids))
+	}
+	for r, id := range ids {
+		if id < 0 || int64(id) >= int64(lim.MaxVocab) {
+			return nil, fmt.Errorf("row %d token id %d outside [0,%d)", r, id, lim.MaxVocab)
+		}
+	}
+	return &stage.Batch{
+		Seqs:    seqsFromProto(t.GetSeqIds()),
+		Pos:     t.GetPositions(),
+		Tokens:  ids,
+		Outputs: outputsFromProto(t.GetOutputRows()),
+	}, nil
+}
+
+// convert re-encodes a validated payload from one dtype to another through
+// f32, which holds f16 and bf16 exactly. It works in chunks so that the f32
+// detour costs a small fixed buffer, not a copy of the whole activation.
+func convert(data []byte, from, to stage.DType) ([]byte, error) {
+	const chunk = 4096 // elements
+	in, out := from.Size(), to.Size()
+	n := len(data) / in
+	if uint64(n) > math.MaxInt/uint64(out) {
+		return nil, fmt.Errorf("%d elements of %s do not fit in memory", n, to)
+	}
+	dst := make([]byte, 0, n*out)
+	buf := make([]float32, 0, chunk)
+	var err error
+	for off := 0; off < len(data); off += chunk * in {
+		end := min(off+chunk*in, len(data))
+		if buf, err = stage.Decode(from, data[off:end], buf[:0]); err != nil {
+			return nil, err
+		}
+		if dst, err = stage.Encode(to, buf, dst); err != nil {
+			return nil, err
+		}
+	}
+	return dst, nil
+}
