@@ -1,0 +1,473 @@
+package openai
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+)
+
+func (s *server) chatCompletions(w http.ResponseWriter, r *http.Request) {
+	data, e := readBody(r, s.cfg.MaxBodyBytes)
+	if e != nil {
+		s.writeError(w, r, e)
+		return
+	}
+	req, e := parseChatRequest(data)
+	if e != nil {
+		s.writeError(w, r, e)
+		return
+	}
+	m, ok := s.b.Model(req.model)
+	if !ok {
+		s.writeError(w, r, modelNotFound(req.model))
+		return
+	}
+	prompt, err := m.ChatPrompt(req.messages)
+	if err != nil {
+		s.writeError(w, r, backendError(err, "chat prompt", "messages"))
+		return
+	}
+	s.generate(w, r, m, &req.genParams, prompt, chatAPI)
+}
+
+func (s *server) completions(w http.ResponseWriter, r *http.Request) {
+	data, e := readBody(r, s.cfg.MaxBodyBytes)
+	if e != nil {
+		s.writeError(w, r, e)
+		return
+	}
+	req, e := parseCompletionRequest(data)
+	if e != nil {
+		s.writeError(w, r, e)
+		return
+	}
+	m, ok := s.b.Model(req.model)
+	if !ok {
+		s.writeError(w, r, modelNotFound(req.model))
+		return
+	}
+	prompt := req.tokens
+	if prompt == nil {
+		var err error
+		if prompt, err = m.Prompt(req.text); err != nil {
+			s.writeError(w, r, backendError(err, "prompt", "prompt"))
+			return
+		}
+	}
+	s.generate(w, r, m, &req.genParams, prompt, completionAPI)
+}
+
+// api tells the two endpoints' response shapes apart.
+type api int
+
+const (
+	chatAPI api = iota
+	completionAPI
+)
+
+func (a api) promptParam() string {
+	if a == chatAPI {
+		return "messages"
+	}
+	return "prompt"
+}
+
+// maxTokens turns the client's limit (0: none) into the backend's.
+func (s *server) maxTokens(p *genParams, info ModelInfo, promptLen int, a api) (int, *apiError) {
+	if info.ContextLength > 0 && promptLen >= info.ContextLength {
+		return 0, invalidRequest(a.promptParam(), "context_length_exceeded",
+			"This model's maximum context length is %d tokens, but the prompt is %d tokens.", info.ContextLength, promptLen)
+	}
+	if p.maxTokens > 0 {
+		// Prompt plus max_tokens beyond the context is the backend's call:
+		// it may refuse (ErrContextLength) or stop at the context end.
+		return min(p.maxTokens, s.cfg.MaxTokensCap), nil
+	}
+	n := s.cfg.MaxTokensCap
+	if info.ContextLength > 0 {
+		n = min(n, info.ContextLength-promptLen)
+	}
+	return n, nil
+}
+
+func (s *server) generate(w http.ResponseWriter, r *http.Request, m Model, p *genParams, prompt []int32, a api) {
+	info := m.Info()
+	li := infoOf(r)
+	li.model, li.stream, li.promptTokens = info.ID, p.stream, len(prompt)
+
+	maxTok, e := s.maxTokens(p, info, len(prompt), a)
+	if e != nil {
+		s.writeError(w, r, e)
+		return
+	}
+	// Our own cancel stops generation when a write fails, which the request
+	// context alone would not notice until the handler returns.
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	events, err := m.Generate(ctx, GenerateRequest{
+		RequestID:        li.id,
+		Prompt:           prompt,
+		MaxTokens:        maxTok,
+		Stop:             p.stop,
+		Temperature:      p.temperature,
+		TopK:             p.topK,
+		TopP:             p.topP,
+		MinP:             p.minP,
+		Seed:             p.seed,
+		RepeatPenalty:    p.repeatPenalty,
+		FrequencyPenalty: p.frequencyPenalty,
+		PresencePenalty:  p.presencePenalty,
+	})
+	if err != nil {
+		if r.Context().Err() != nil {
+			return // client gone; nobody to tell
+		}
+		s.writeError(w, r, backendError(err, "generate", a.promptParam()))
+		return
+	}
+	// Whatever way we leave, the backend must not block on a send nobody reads.
+	defer func() { go drain(events) }()
+
+	out := &responder{
+		id:      idPrefix(a) + rand.Text(),
+		created: time.Now().Unix(),
+		model:   info.ID,
+		api:     a,
+	}
+	if p.stream {
+		s.stream(ctx, w, r, events, out, p.includeUsage, len(prompt))
+	} else {
+		s.collect(ctx, w, r, events, out, len(prompt))
+	}
+}
+
+func drain(events <-chan Event) {
+	for range events {
+	}
+}
+
+func idPrefix(a api) string {
+	if a == chatAPI {
+		return "chatcmpl-"
+	}
+	return "cmpl-"
+}
+
+var errNoFinalEvent = errors.New("generation ended without a final event")
+
+// next waits for the next event; ok is false when the client is gone.
+func next(ctx context.Context, events <-chan Event) (ev Event, ok bool) {
+	select {
+	case <-ctx.Done():
+		return Event{}, false
+	case ev, open := <-events:
+		if !open {
+			if ctx.Err() != nil {
+				return Event{}, false
+			}
+			ev = Event{Err: errNoFinalEvent}
+		}
+		return ev, true
+	}
+}
+
+// finish fills in what a backend may leave out of the final event.
+func finish(ev Event, promptLen int) (string, Usage) {
+	reason := ev.FinishReason
+	if reason == "" {
+		reason = "stop"
+	}
+	u := ev.Usage
+	if u.PromptTokens == 0 {
+		u.PromptTokens = promptLen
+	}
+	if u.TotalTokens == 0 {
+		u.TotalTokens = u.PromptTokens + u.CompletionTokens
+	}
+	return reason, u
+}
+
+func (s *server) collect(ctx context.Context, w http.ResponseWriter, r *http.Request, events <-chan Event, out *responder, promptLen int) {
+	var text strings.Builder
+	li := infoOf(r)
+	for {
+		ev, ok := next(ctx, events)
+		if !ok {
+			li.err = "client disconnected"
+			return
+		}
+		if ev.Err != nil {
+			s.writeError(w, r, backendError(ev.Err, "generate", out.api.promptParam()))
+			return
+		}
+		text.WriteString(ev.Text)
+		if ev.Done {
+			reason, u := finish(ev, promptLen)
+			li.completionTokens, li.finishReason = u.CompletionTokens, reason
+			s.writeJSON(w, http.StatusOK, out.full(text.String(), reason, u))
+			return
+		}
+	}
+}
+
+func (s *server) stream(ctx context.Context, w http.ResponseWriter, r *http.Request, events <-chan Event, out *responder, includeUsage bool, promptLen int) {
+	li := infoOf(r)
+	sse := &sseWriter{w: w, rc: http.NewResponseController(w), timeout: s.cfg.WriteTimeout}
+	defer func() {
+		if sse.failed != nil && li.err == "" {
+			li.err = sse.failed.Error()
+		}
+	}()
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("X-Accel-Buffering", "no") // keep proxies from buffering the stream
+	w.WriteHeader(http.StatusOK)
+
+	out.includeUsage = includeUsage
+	if out.api == chatAPI {
+		if sse.send(out.chunk(new(""), true, "")) != nil {
+			return
+		}
+	} else if sse.flush() != nil {
+		// Completions have no opening chunk; send the headers now so the
+		// client knows the request was taken before the first token comes.
+		return
+	}
+	for {
+		ev, ok := next(ctx, events)
+		if !ok {
+			li.err = "client disconnected"
+			return
+		}
+		if ev.Err != nil {
+			// Headers are gone, so the error travels as an event; no [DONE]
+			// follows, which tells clients the stream did not complete.
+			e := backendError(ev.Err, "generate", out.api.promptParam())
+			li.err = e.message
+			_ = sse.send(e.body())
+			return
+		}
+		if ev.Text != "" {
+			if sse.send(out.chunk(&ev.Text, false, "")) != nil {
+				return
+			}
+		}
+		if !ev.Done {
+			continue
+		}
+		reason, u := finish(ev, promptLen)
+		li.completionTokens, li.finishReason = u.CompletionTokens, reason
+		if sse.send(out.chunk(nil, false, reason)) != nil {
+			return
+		}
+		if includeUsage && sse.send(out.usageChunk(u)) != nil {
+			return
+		}
+		_ = sse.write([]byte("[DONE]"))
+		return
+	}
+}
+
+// sseWriter writes server-sent events, each flushed at once and each
+// under its own write deadline.
+type sseWriter struct {
+	w       http.ResponseWriter
+	rc      *http.ResponseController
+	timeout time.Duration
+	failed  error
+}
+
+func (s *sseWriter) send(v any) error {
+	data, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("encode event: %w", err)
+	}
+	return s.write(data)
+}
+
+func (s *sseWriter) write(data []byte) error {
+	if s.failed != nil {
+		return s.failed
+	}
+	// Not every ResponseWriter supports deadlines (httptest's does not);
+	// without one the write simply has no bound.
+	_ = s.rc.SetWriteDeadline(time.Now().Add(s.timeout))
+	buf := make([]byte, 0, len(data)+8)
+	buf = append(buf, "data: "...)
+	buf = append(buf, data...)
+	buf = append(buf, "\n\n"...)
+	if _, err := s.w.Write(buf); err != nil {
+		s.failed = fmt.Errorf("write event: %w", err)
+		return s.failed
+	}
+	return s.flush()
+}
+
+func (s *sseWriter) flush() error {
+	if s.failed != nil {
+		return s.failed
+	}
+	if err := s.rc.Flush(); err != nil {
+		s.failed = fmt.Errorf("flush event: %w", err)
+		return s.failed
+	}
+	return nil
+}
+
+// responder builds one request's response objects.
+type responder struct {
+	id           string
+	created      int64
+	model        string
+	api          api
+	includeUsage bool
+}
+
+type usageJSON struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+}
+
+func toUsageJSON(u Usage) usageJSON {
+	return usageJSON{PromptTokens: u.PromptTokens, CompletionTokens: u.CompletionTokens, TotalTokens: u.TotalTokens}
+}
+
+// Response objects, fields in OpenAI's order. Logprobs is always null.
+type (
+	chatCompletionJSON struct {
+		ID      string           `json:"id"`
+		Object  string           `json:"object"`
+		Created int64            `json:"created"`
+		Model   string           `json:"model"`
+		Choices []chatChoiceJSON `json:"choices"`
+		Usage   usageJSON        `json:"usage"`
+	}
+	chatChoiceJSON struct {
+		Index        int             `json:"index"`
+		Message      chatMessageJSON `json:"message"`
+		Logprobs     *struct{}       `json:"logprobs"`
+		FinishReason string          `json:"finish_reason"`
+	}
+	chatMessageJSON struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	}
+
+	chatChunkJSON struct {
+		ID      string                `json:"id"`
+		Object  string                `json:"object"`
+		Created int64                 `json:"created"`
+		Model   string                `json:"model"`
+		Choices []chatChunkChoiceJSON `json:"choices"`
+		// Usage is null on every chunk but the last when include_usage
+		// is set, and absent otherwise, as OpenAI does.
+		Usage json.RawMessage `json:"usage,omitempty"`
+	}
+	chatChunkChoiceJSON struct {
+		Index        int       `json:"index"`
+		Delta        deltaJSON `json:"delta"`
+		Logprobs     *struct{} `json:"logprobs"`
+		FinishReason *string   `json:"finish_reason"`
+	}
+	deltaJSON struct {
+		Role    string  `json:"role,omitempty"`
+		Content *string `json:"content,omitempty"`
+	}
+
+	// textCompletionJSON serves both the full response and stream chunks.
+	textCompletionJSON struct {
+		ID      string                 `json:"id"`
+		Object  string                 `json:"object"`
+		Created int64                  `json:"created"`
+		Model   string                 `json:"model"`
+		Choices []textCompletionChoice `json:"choices"`
+		Usage   json.RawMessage        `json:"usage,omitempty"`
+	}
+	textCompletionChoice struct {
+		Text         string    `json:"text"`
+		Index        int       `json:"index"`
+		Logprobs     *struct{} `json:"logprobs"`
+		FinishReason *string   `json:"finish_reason"`
+	}
+)
+
+var nullJSON = json.RawMessage("null")
+
+func (o *responder) full(text, reason string, u Usage) any {
+	if o.api == chatAPI {
+		return chatCompletionJSON{
+			ID: o.id, Object: "chat.completion", Created: o.created, Model: o.model,
+			Choices: []chatChoiceJSON{{
+				Message:      chatMessageJSON{Role: "assistant", Content: text},
+				FinishReason: reason,
+			}},
+			Usage: toUsageJSON(u),
+		}
+	}
+	return textCompletionJSON{
+		ID: o.id, Object: "text_completion", Created: o.created, Model: o.model,
+		Choices: []textCompletionChoice{{Text: text, FinishReason: &reason}},
+		Usage:   mustJSON(toUsageJSON(u)),
+	}
+}
+
+// chunk is one stream event: text (nil: none), the role opener, or the
+// closing chunk when reason is set.
+func (o *responder) chunk(text *string, role bool, reason string) any {
+	var usage json.RawMessage
+	if o.includeUsage {
+		usage = nullJSON
+	}
+	var fr *string
+	if reason != "" {
+		fr = &reason
+	}
+	if o.api == chatAPI {
+		d := deltaJSON{Content: text}
+		if role {
+			d.Role = "assistant"
+		}
+		return chatChunkJSON{
+			ID: o.id, Object: "chat.completion.chunk", Created: o.created, Model: o.model,
+			Choices: []chatChunkChoiceJSON{{Delta: d, FinishReason: fr}},
+			Usage:   usage,
+		}
+	}
+	t := ""
+	if text != nil {
+		t = *text
+	}
+	return textCompletionJSON{
+		ID: o.id, Object: "text_completion", Created: o.created, Model: o.model,
+		Choices: []textCompletionChoice{{Text: t, FinishReason: fr}},
+		Usage:   usage,
+	}
+}
+
+// usageChunk is the extra last chunk of include_usage: no choices, usage set.
+func (o *responder) usageChunk(u Usage) any {
+	usage := mustJSON(toUsageJSON(u))
+	if o.api == chatAPI {
+		return chatChunkJSON{
+			ID: o.id, Object: "chat.completion.chunk", Created: o.created, Model: o.model,
+			Choices: []chatChunkChoiceJSON{}, Usage: usage,
+		}
+	}
+	return textCompletionJSON{
+		ID: o.id, Object: "text_completion", Created: o.created, Model: o.model,
+		Choices: []textCompletionChoice{}, Usage: usage,
+	}
+}
+
+func mustJSON(v usageJSON) json.RawMessage {
+	// A struct of three ints always marshals.
+	data, _ := json.Marshal(v)
+	return data
+}
