@@ -15,7 +15,7 @@ export CGO_CXXFLAGS = -O3 -march=$(MARCH)
 export CGO_CPPFLAGS = -DGGML_USE_CPU_REPACK $(GGML_INC)
 TAGS      ?= repack
 
-.PHONY: build portable test test-short vet fmt proto bench clean env
+.PHONY: build portable test vet proto bench clean env serve
 
 build:
 	$(GO) build -tags '$(TAGS)' -o bin/meshnode ./cmd/meshnode
@@ -44,3 +44,6 @@ bench: build
 
 clean:
 	rm -rf bin
+
+serve: build
+	./bin/meshnode serve

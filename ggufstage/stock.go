@@ -3,6 +3,7 @@ package ggufstage
 import (
 	"context"
 	"fmt"
+	"math"
 	"runtime"
 
 	"github.com/ollama/ollama/ml"
@@ -125,4 +126,15 @@ func (s *Stock) Forward(b *stage.Batch) (logits []float32, err error) {
 func (s *Stock) Close() {
 	s.m.Config().Cache.Close()
 	s.m.Backend().Close()
+}
+
+// Release frees a sequence's cache.
+func (s *Stock) Release(seq stage.SeqID) (err error) {
+	defer recoverErr(&err, "stock release")
+	slot, ok := s.slots[seq]
+	if !ok {
+		return stage.ErrUnknownSeq
+	}
+	delete(s.slots, seq)
+	return s.m.Config().Cache.Remove(slot, 0, math.MaxInt32)
 }

@@ -1,0 +1,92 @@
+package ggufstage
+
+import (
+	"fmt"
+
+	"github.com/meshnode/meshnode/ggufstage/gguf"
+	"github.com/meshnode/meshnode/stage"
+)
+
+// ModelInfo is what a GGUF says about its model, read without loading it.
+type ModelInfo struct {
+	Arch     string
+	Name     string
+	Layers   int
+	Embd     int
+	Heads    int
+	KVHeads  int
+	HeadDim  int
+	Vocab    int
+	Context  int    // trained context length
+	FileType string // dominant weight type, e.g. "Q4_0"
+	header   *gguf.File
+}
+
+// ReadInfo reads and validates a GGUF's header.
+func ReadInfo(path string) (ModelInfo, error) {
+	f, err := readHeader(path)
+	if err != nil {
+		return ModelInfo{}, err
+	}
+	return infoOf(f)
+}
+
+func infoOf(f *gguf.File) (ModelInfo, error) {
+	if err := checkArch(f.Arch()); err != nil {
+		return ModelInfo{}, err
+	}
+	layers, err := f.BlockCount()
+	if err != nil {
+		return ModelInfo{}, err
+	}
+	u := func(k string) int { v, _ := f.ArchUint(k); return int(v) }
+	mi := ModelInfo{
+		Arch: f.Arch(), Name: f.String("general.name"), Layers: layers,
+		Embd: u("embedding_length"), Heads: u("attention.head_count"), KVHeads: u("attention.head_count_kv"),
+		HeadDim: u("attention.key_length"), Context: u("context_length"), header: f,
+	}
+	if mi.Embd == 0 || mi.Heads == 0 {
+		return ModelInfo{}, fmt.Errorf("%w: embedding_length or head_count missing", gguf.ErrFormat)
+	}
+	if mi.KVHeads == 0 {
+		mi.KVHeads = mi.Heads
+	}
+	if mi.HeadDim == 0 {
+		mi.HeadDim = mi.Embd / mi.Heads
+	}
+	if t, ok := f.Tensor("token_embd.weight"); ok && len(t.Shape) == 2 {
+		mi.Vocab = int(t.Shape[1])
+	}
+	// The type holding most bytes names the file's quantization.
+	bytes := map[string]uint64{}
+	for i := range f.Tensors {
+		bytes[f.Tensors[i].TypeName()] += f.Tensors[i].Size()
+	}
+	var best uint64
+	for name, n := range bytes {
+		if n > best {
+			mi.FileType, best = name, n
+		}
+	}
+	return mi, nil
+}
+
+// Memory estimates what a stage [start,end) costs: its tensors' bytes, K and
+// V per cached token (f16) across its layers, and scratch for a forward pass
+// of batch tokens.
+func (mi ModelInfo) Memory(start, end, batch int) (stage.Memory, error) {
+	parts, err := gguf.StageParts(mi.header, start, end)
+	if err != nil {
+		return stage.Memory{}, err
+	}
+	m := stage.Memory{Weights: gguf.PartsSize(parts)}
+	m.KVPerToken = uint64(end-start) * 2 * uint64(mi.KVHeads*mi.HeadDim) * 2
+	// Activations of the widest layer op (the FFN or the logits) in f32.
+	ffn, _ := mi.header.ArchUint("feed_forward_length")
+	width := max(uint64(mi.Embd)*4, ffn*2)
+	if end == mi.Layers {
+		width = max(width, uint64(mi.Vocab))
+	}
+	m.Compute = uint64(batch) * width * 4 * 2
+	return m, nil
+}

@@ -1,0 +1,257 @@
+// Package bench measures prefill and decode throughput of meshnode's engine
+// against ollama's stock engine on the same file, in the same run, so that
+// speed is reported as a ratio to a reference measured side by side.
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"slices"
+	"time"
+
+	"github.com/meshnode/meshnode/ggufstage"
+	"github.com/meshnode/meshnode/stage"
+)
+
+// Config of a benchmark.
+type Config struct {
+	Model         string
+	Threads       int
+	PromptTokens  int   // default 512
+	DecodeTokens  int   // default 128
+	Streams       []int // concurrent sequences; default 1 and 8
+	Runs          int   // repetitions; the median is reported
+	FlashAttn     bool
+	SkipReference bool // measure only meshnode's engine
+}
+
+// Row is one measurement.
+type Row struct {
+	Engine     string
+	Streams    int
+	PrefillTPS float64
+	DecodeTPS  float64
+}
+
+// runner is the common surface of the two engines.
+type runner interface {
+	forward(b *stage.Batch) ([]float32, error)
+	open(seq stage.SeqID) error
+	release(seq stage.SeqID) error
+	vocab() int
+	close()
+}
+
+type meshRunner struct{ e *ggufstage.Engine }
+
+func (r meshRunner) forward(b *stage.Batch) ([]float32, error) {
+	out, err := r.e.Forward(context.Background(), b)
+	if err != nil {
+		return nil, err
+	}
+	return out.Logits, nil
+}
+func (r meshRunner) open(s stage.SeqID) error    { return r.e.Open(s) }
+func (r meshRunner) release(s stage.SeqID) error { return r.e.Release(s) }
+func (r meshRunner) vocab() int                  { return r.e.Info().Vocab }
+func (r meshRunner) close()                      { r.e.Close() }
+
+type stockRunner struct{ s *ggufstage.Stock }
+
+func (r stockRunner) forward(b *stage.Batch) ([]float32, error) { return r.s.Forward(b) }
+func (r stockRunner) open(stage.SeqID) error                    { return nil }
+func (r stockRunner) release(s stage.SeqID) error               { return r.s.Release(s) }
+func (r stockRunner) vocab() int                                { return r.s.Vocab() }
+func (r stockRunner) close()                                    { r.s.Close() }
+
+func (c *Config) defaults() {
+	if c.PromptTokens <= 0 {
+		c.PromptTokens = 512
+	}
+	if c.DecodeTokens <= 0 {
+		c.DecodeTokens = 128
+	}
+	if len(c.Streams) == 0 {
+		c.Streams = []int{1, 8}
+	}
+	if c.Runs <= 0 {
+		c.Runs = 1
+	}
+}
+
+// Run measures both engines and returns one row per engine and stream
+// count, with medians over the runs. Runs of the two engines alternate so
+// that machine drift hits both alike.
+func Run(ctx context.Context, cfg Config, log io.Writer) ([]Row, error) {
+	cfg.defaults()
+	maxStreams := slices.Max(cfg.Streams)
+	opts := ggufstage.Options{
+		Threads: cfg.Threads, MaxSeqs: maxStreams, Context: cfg.PromptTokens + cfg.DecodeTokens + 8,
+		BatchSize: cfg.PromptTokens, FlashAttention: cfg.FlashAttn,
+	}
+	info, err := ggufstage.ReadInfo(cfg.Model)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(log, "model %s: %s, %d layers, n_embd %d, vocab %d, %s\n", cfg.Model, info.Arch, info.Layers, info.Embd, info.Vocab, info.FileType)
+
+	eng, err := ggufstage.Open(cfg.Model, 0, info.Layers, opts)
+	if err != nil {
+		return nil, err
+	}
+	runners := []struct {
+		name string
+		r    runner
+	}{{"meshnode", meshRunner{eng}}}
+	if !cfg.SkipReference {
+		st, err := ggufstage.OpenStock(cfg.Model, opts)
+		if err != nil {
+			eng.Close()
+			return nil, err
+		}
+		runners = append(runners, struct {
+			name string
+			r    runner
+		}{"ollama", stockRunner{st}})
+	}
+	defer func() {
+		for _, r := range runners {
+			r.r.close()
+		}
+	}()
+
+	type key struct {
+		engine  string
+		streams int
+	}
+	pre := map[key][]float64{}
+	dec := map[key][]float64{}
+	for run := range cfg.Runs {
+		for _, n := range cfg.Streams {
+			for _, r := range runners {
+				if err := ctx.Err(); err != nil {
+					return nil, err
+				}
+				p, d, err := measure(r.r, cfg, n, uint64(run))
+				if err != nil {
+					return nil, fmt.Errorf("%s, %d streams: %w", r.name, n, err)
+				}
+				k := key{r.name, n}
+				pre[k] = append(pre[k], p)
+				dec[k] = append(dec[k], d)
+				fmt.Fprintf(log, "run %d  %-8s streams %d  prefill %8.1f tok/s  decode %7.2f tok/s\n", run+1, r.name, n, p, d)
+			}
+		}
+	}
+	var rows []Row
+	for _, n := range cfg.Streams {
+		for _, r := range runners {
+			k := key{r.name, n}
+			rows = append(rows, Row{Engine: r.name, Streams: n, PrefillTPS: median(pre[k]), DecodeTPS: median(dec[k])})
+		}
+	}
+	return rows, nil
+}
+
+func median(xs []float64) float64 {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	if len(s) == 0 {
+		return 0
+	}
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// measure prefills n sequences with PromptTokens each (one sequence per
+// pass, as a server prefills a new request), then decodes DecodeTokens steps
+// with all n sequences in each pass.
+func measure(r runner, cfg Config, n int, seed uint64) (prefill, decode float64, err error) {
+	rng := rand.New(rand.NewPCG(seed, 7))
+	vocab := r.vocab()
+	seqs := make([]stage.SeqID, n)
+	for i := range seqs {
+		seqs[i] = stage.SeqID(i + 1)
+		if err := r.open(seqs[i]); err != nil {
+			return 0, 0, err
+		}
+	}
+	defer func() {
+		for _, s := range seqs {
+			r.release(s)
+		}
+	}()
+	// Warm up: one tiny pass so that one-time allocations are not timed.
+	if _, err := r.forward(&stage.Batch{Seqs: seqs[:1], Pos: []int32{0}, Tokens: []int32{1}, Outputs: []int{0}}); err != nil {
+		return 0, 0, err
+	}
+	last := make([]int32, n)
+	start := time.Now()
+	for i, s := range seqs {
+		b := stage.Batch{Outputs: []int{cfg.PromptTokens - 1}}
+		for p := range cfg.PromptTokens {
+			b.Seqs = append(b.Seqs, s)
+			b.Pos = append(b.Pos, int32(p))
+			b.Tokens = append(b.Tokens, int32(rng.IntN(vocab)))
+		}
+		logits, err := r.forward(&b)
+		if err != nil {
+			return 0, 0, err
+		}
+		last[i] = argmax(logits)
+	}
+	prefill = float64(n*cfg.PromptTokens) / time.Since(start).Seconds()
+
+	start = time.Now()
+	for step := range cfg.DecodeTokens {
+		b := stage.Batch{}
+		for i, s := range seqs {
+			b.Seqs = append(b.Seqs, s)
+			b.Pos = append(b.Pos, int32(cfg.PromptTokens+step))
+			b.Tokens = append(b.Tokens, last[i])
+			b.Outputs = append(b.Outputs, i)
+		}
+		logits, err := r.forward(&b)
+		if err != nil {
+			return 0, 0, err
+		}
+		for i := range seqs {
+			last[i] = argmax(logits[i*vocab : (i+1)*vocab])
+		}
+	}
+	decode = float64(n*cfg.DecodeTokens) / time.Since(start).Seconds()
+	return prefill, decode, nil
+}
+
+func argmax(x []float32) int32 {
+	best := 0
+	for i, v := range x {
+		if v > x[best] {
+			best = i
+		}
+	}
+	return int32(best)
+}
+
+// Print writes the table with the ratio of meshnode to ollama.
+func Print(w io.Writer, rows []Row) {
+	fmt.Fprintf(w, "\n%-9s %7s %14s %14s %9s %9s\n", "engine", "streams", "prefill tok/s", "decode tok/s", "prefill×", "decode×")
+	ref := map[int]Row{}
+	for _, r := range rows {
+		if r.Engine == "ollama" {
+			ref[r.Streams] = r
+		}
+	}
+	for _, r := range rows {
+		pr, dr := "", ""
+		if o, ok := ref[r.Streams]; ok && r.Engine != "ollama" && o.PrefillTPS > 0 && o.DecodeTPS > 0 {
+			pr = fmt.Sprintf("%.2f", r.PrefillTPS/o.PrefillTPS)
+			dr = fmt.Sprintf("%.2f", r.DecodeTPS/o.DecodeTPS)
+		}
+		fmt.Fprintf(w, "%-9s %7d %14.1f %14.2f %9s %9s\n", r.Engine, r.Streams, r.PrefillTPS, r.DecodeTPS, pr, dr)
+	}
+}

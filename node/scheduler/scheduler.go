@@ -1,0 +1,410 @@
+// Package scheduler admits generation requests and runs them through a
+// pipeline with continuous batching: every forward pass carries the next
+// token of each decoding sequence plus chunks of prompts still being
+// prefilled, and sequences join and leave between passes.
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/meshnode/meshnode/node/sample"
+	"github.com/meshnode/meshnode/node/text"
+	"github.com/meshnode/meshnode/stage"
+)
+
+// Tokenizer is what the scheduler needs to turn tokens into text.
+type Tokenizer interface {
+	// Decode returns the bytes of tokens; a single token may be part of a
+	// UTF-8 sequence.
+	Decode(tokens []int32) (string, error)
+	// IsEOG reports whether a token ends generation (EOS, end of turn).
+	IsEOG(token int32) bool
+}
+
+// Config sizes the scheduler.
+type Config struct {
+	Parallel    int // sequences generating at once; at most the pipeline's MaxSeqs
+	BatchTokens int // most tokens in one forward pass
+	QueueSize   int // requests waiting for a slot before new ones are refused
+}
+
+// Request is one generation.
+type Request struct {
+	ID        string
+	Prompt    []int32
+	MaxTokens int
+	Stop      []string
+	Sampling  sample.Params
+}
+
+// Event is one step of a generation; the last one has Done or Err set.
+type Event struct {
+	Text             string
+	Done             bool
+	FinishReason     string // "stop" or "length"
+	PromptTokens     int
+	CompletionTokens int
+	Err              error
+}
+
+// Errors returned by Submit.
+var (
+	ErrOverloaded    = errors.New("too many requests waiting")
+	ErrContextLength = errors.New("prompt does not fit the context")
+	ErrClosed        = errors.New("scheduler stopped")
+)
+
+// Stats are counters for status and metrics.
+type Stats struct {
+	Active, Waiting  int
+	PromptTokens     uint64
+	GeneratedTokens  uint64
+	Forwards         uint64
+	ForwardSeconds   float64
+	Requests, Failed uint64
+}
+
+// Scheduler owns the pipeline: only its Run goroutine calls Forward.
+type Scheduler struct {
+	pipe stage.Engine
+	tok  Tokenizer
+	cfg  Config
+	log  *zap.Logger
+	info stage.Info
+
+	incoming chan *seq
+	nextID   atomic.Uint64
+
+	mu     sync.Mutex
+	stats  Stats
+	closed bool
+	done   chan struct{}
+}
+
+// New makes a scheduler over a pipeline that covers all layers.
+func New(pipe stage.Engine, tok Tokenizer, cfg Config, log *zap.Logger) *Scheduler {
+	info := pipe.Info()
+	if cfg.Parallel <= 0 {
+		cfg.Parallel = 4
+	}
+	if info.MaxSeqs > 0 {
+		cfg.Parallel = min(cfg.Parallel, info.MaxSeqs)
+	}
+	if cfg.BatchTokens <= 0 {
+		cfg.BatchTokens = 512
+	}
+	if cfg.QueueSize <= 0 {
+		cfg.QueueSize = 64
+	}
+	if log == nil {
+		log = zap.NewNop()
+	}
+	return &Scheduler{
+		pipe: pipe, tok: tok, cfg: cfg, log: log, info: info,
+		incoming: make(chan *seq, cfg.QueueSize),
+		done:     make(chan struct{}),
+	}
+}
+
+// seq is one request in flight.
+type seq struct {
+	id      stage.SeqID
+	req     Request
+	ctx     context.Context
+	events  chan Event
+	sampler *sample.Sampler
+	stream  text.Stream
+	stops   *text.StopMatcher
+
+	tokens    []int32 // prompt then generated
+	fed       int     // tokens already through the model
+	generated int
+	opened    bool
+}
+
+func (q *seq) prefilling() bool { return q.fed < len(q.req.Prompt) }
+
+// Submit queues a request. The returned channel gets text pieces and a final
+// event, then closes. Cancelling ctx abandons the request and frees its slot.
+func (s *Scheduler) Submit(ctx context.Context, r Request) (<-chan Event, error) {
+	if len(r.Prompt) == 0 {
+		return nil, errors.New("empty prompt")
+	}
+	if len(r.Prompt) >= s.info.Context {
+		return nil, fmt.Errorf("%w: prompt has %d tokens, context is %d", ErrContextLength, len(r.Prompt), s.info.Context)
+	}
+	for i, t := range r.Prompt {
+		if t < 0 || int(t) >= s.info.Vocab {
+			return nil, fmt.Errorf("prompt token %d at %d is outside the vocabulary of %d", t, i, s.info.Vocab)
+		}
+	}
+	if err := r.Sampling.Validate(); err != nil {
+		return nil, err
+	}
+	stops, err := text.NewStopMatcher(r.Stop)
+	if err != nil {
+		return nil, err
+	}
+	if r.MaxTokens <= 0 {
+		r.MaxTokens = s.info.Context
+	}
+	// The channel holds every event the request can produce, so the
+	// scheduler never blocks on a slow client.
+	room := min(r.MaxTokens, s.info.Context-len(r.Prompt))
+	q := &seq{
+		id:      stage.SeqID(s.nextID.Add(1)),
+		req:     r,
+		ctx:     ctx,
+		events:  make(chan Event, room+4),
+		sampler: sample.New(r.Sampling),
+		stops:   stops,
+		tokens:  slices.Clone(r.Prompt),
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, ErrClosed
+	}
+	select {
+	case s.incoming <- q:
+		s.stats.Requests++
+		return q.events, nil
+	default:
+		return nil, fmt.Errorf("%w: %d queued", ErrOverloaded, s.cfg.QueueSize)
+	}
+}
+
+// Stats returns a snapshot of the counters.
+func (s *Scheduler) Stats() Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stats
+}
+
+// Run is the scheduling loop. It returns when ctx is cancelled, after failing
+// every request still queued or active with ErrClosed.
+func (s *Scheduler) Run(ctx context.Context) error {
+	defer close(s.done)
+	var waiting, active []*seq
+	defer func() {
+		// Refuse new requests first, so that none can slip in after the
+		// drain below and wait forever.
+		s.mu.Lock()
+		s.closed = true
+		s.mu.Unlock()
+		for {
+			select {
+			case q := <-s.incoming:
+				waiting = append(waiting, q)
+				continue
+			default:
+			}
+			break
+		}
+		for _, q := range append(waiting, active...) {
+			s.finish(q, Event{Err: ErrClosed})
+		}
+	}()
+	for {
+		if len(waiting) == 0 && len(active) == 0 {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case q := <-s.incoming:
+				waiting = append(waiting, q)
+			}
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+	drain:
+		for {
+			select {
+			case q := <-s.incoming:
+				waiting = append(waiting, q)
+			default:
+				break drain
+			}
+		}
+		// Drop what clients abandoned, then admit into free slots.
+		waiting = slices.DeleteFunc(waiting, func(q *seq) bool { return s.dropIfGone(q) })
+		active = slices.DeleteFunc(active, func(q *seq) bool { return s.dropIfGone(q) })
+		for len(active) < s.cfg.Parallel && len(waiting) > 0 {
+			q := waiting[0]
+			waiting = waiting[1:]
+			if err := s.pipe.Open(q.id); err != nil {
+				s.finish(q, Event{Err: fmt.Errorf("opening sequence: %w", err)})
+				continue
+			}
+			q.opened = true
+			active = append(active, q)
+		}
+		s.mu.Lock()
+		s.stats.Active, s.stats.Waiting = len(active), len(waiting)
+		s.mu.Unlock()
+		if len(active) == 0 {
+			continue
+		}
+		active = s.step(ctx, active)
+	}
+}
+
+func (s *Scheduler) dropIfGone(q *seq) bool {
+	if q.ctx.Err() == nil {
+		return false
+	}
+	s.finish(q, Event{Err: q.ctx.Err()})
+	return true
+}
+
+// step runs one forward pass over the active sequences and returns those
+// still generating.
+func (s *Scheduler) step(ctx context.Context, active []*seq) []*seq {
+	ws := make([]want, len(active))
+	for i, q := range active {
+		ws[i] = want{prefill: max(len(q.req.Prompt)-q.fed, 0)}
+	}
+	take := planBatch(ws, s.cfg.BatchTokens)
+
+	var b stage.Batch
+	var outs []*seq
+	for i, q := range active {
+		for k := range take[i] {
+			pos := q.fed + k
+			b.Seqs = append(b.Seqs, q.id)
+			b.Pos = append(b.Pos, int32(pos))
+			b.Tokens = append(b.Tokens, q.tokens[pos])
+		}
+		if take[i] > 0 && q.fed+take[i] == len(q.tokens) {
+			b.Outputs = append(b.Outputs, len(b.Seqs)-1)
+			outs = append(outs, q)
+		}
+	}
+	if b.Rows() == 0 {
+		return active
+	}
+
+	start := time.Now()
+	out, err := s.pipe.Forward(ctx, &b)
+	elapsed := time.Since(start)
+	s.mu.Lock()
+	s.stats.Forwards++
+	s.stats.ForwardSeconds += elapsed.Seconds()
+	s.mu.Unlock()
+	if err != nil {
+		s.log.Error("forward pass failed", zap.Error(err), zap.Int("rows", b.Rows()))
+		for _, q := range active {
+			s.finish(q, Event{Err: fmt.Errorf("forward pass: %w", err)})
+		}
+		return nil
+	}
+	var prompt uint64
+	for i, q := range active {
+		if q.prefilling() {
+			prompt += uint64(take[i])
+		}
+		q.fed += take[i]
+	}
+	s.mu.Lock()
+	s.stats.PromptTokens += prompt
+	s.mu.Unlock()
+
+	vocab := s.info.Vocab
+	finished := map[*seq]bool{}
+	for r, q := range outs {
+		logits := out.Logits[r*vocab : (r+1)*vocab]
+		tok := q.sampler.Sample(logits, q.tokens)
+		if reason, done := s.accept(q, tok); done {
+			s.complete(q, reason)
+			finished[q] = true
+		}
+	}
+	return slices.DeleteFunc(active, func(q *seq) bool { return finished[q] })
+}
+
+// accept appends a sampled token, streams its text, and says whether the
+// sequence is done and why.
+func (s *Scheduler) accept(q *seq, tok int32) (string, bool) {
+	s.mu.Lock()
+	s.stats.GeneratedTokens++
+	s.mu.Unlock()
+	if s.tok.IsEOG(tok) {
+		return "stop", true
+	}
+	q.tokens = append(q.tokens, tok)
+	q.generated++
+	piece, err := s.tok.Decode([]int32{tok})
+	if err != nil {
+		s.finish(q, Event{Err: fmt.Errorf("decoding token %d: %w", tok, err)})
+		return "", true
+	}
+	if s.emit(q, q.stream.Push(piece)) {
+		return "stop", true
+	}
+	switch {
+	case q.generated >= q.req.MaxTokens:
+		return "length", true
+	case len(q.tokens) >= s.info.Context:
+		return "length", true
+	}
+	return "", false
+}
+
+// emit passes text through the stop matcher and sends what may be shown;
+// it reports whether a stop string was hit.
+func (s *Scheduler) emit(q *seq, piece string) bool {
+	if piece == "" {
+		return false
+	}
+	out, stopped := q.stops.Push(piece)
+	if out != "" {
+		q.events <- Event{Text: out}
+	}
+	return stopped
+}
+
+func (s *Scheduler) complete(q *seq, reason string) {
+	if q.events == nil {
+		return // already failed
+	}
+	if reason != "stop" || !q.stops.Stopped() {
+		if s.emit(q, q.stream.Flush()) {
+			reason = "stop"
+		}
+		if rest := q.stops.Flush(); rest != "" {
+			q.events <- Event{Text: rest}
+		}
+	}
+	s.finish(q, Event{Done: true, FinishReason: reason})
+}
+
+// finish sends the final event, closes the channel and frees the slot.
+func (s *Scheduler) finish(q *seq, ev Event) {
+	if q.events == nil {
+		return
+	}
+	if q.opened {
+		if err := s.pipe.Release(q.id); err != nil {
+			s.log.Warn("releasing sequence", zap.Uint64("seq", uint64(q.id)), zap.Error(err))
+		}
+		q.opened = false
+	}
+	if ev.Err != nil && !errors.Is(ev.Err, context.Canceled) {
+		s.mu.Lock()
+		s.stats.Failed++
+		s.mu.Unlock()
+	}
+	ev.PromptTokens = len(q.req.Prompt)
+	ev.CompletionTokens = q.generated
+	q.events <- ev
+	close(q.events)
+	q.events = nil
+}

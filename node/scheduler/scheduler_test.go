@@ -1,0 +1,275 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/meshnode/meshnode/ggufstage"
+	"github.com/meshnode/meshnode/node/sample"
+	"github.com/meshnode/meshnode/stage"
+)
+
+const storiesPath = "../../../shared/models/stories260K.gguf"
+
+func TestPlanBatch(t *testing.T) {
+	tests := []struct {
+		name   string
+		ws     []want
+		budget int
+		want   []int
+	}{
+		{"decode only", []want{{0}, {0}, {0}}, 8, []int{1, 1, 1}},
+		{"decode before prefill", []want{{100}, {0}}, 10, []int{9, 1}},
+		{"prefill in arrival order", []want{{5}, {5}, {5}}, 8, []int{5, 3, 0}},
+		{"budget smaller than decoders", []want{{0}, {0}, {0}}, 2, []int{1, 1, 0}},
+		{"mixed", []want{{0}, {600}, {0}, {20}}, 512, []int{1, 510, 1, 0}},
+		{"empty", nil, 512, []int{}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got := planBatch(tc.ws, tc.budget)
+			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+				t.Fatalf("got %v, want %v", got, tc.want)
+			}
+			sum := 0
+			for _, n := range got {
+				sum += n
+			}
+			if sum > tc.budget {
+				t.Fatalf("over budget: %d > %d", sum, tc.budget)
+			}
+		})
+	}
+}
+
+type fixture struct {
+	eng   *ggufstage.Engine
+	tok   *ggufstage.Tokenizer
+	sched *Scheduler
+	stop  func()
+}
+
+func newFixture(t *testing.T, cfg Config) *fixture {
+	t.Helper()
+	eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 8, Context: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok, err := ggufstage.LoadTokenizer(storiesPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := New(eng, tok, cfg, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { s.Run(ctx); close(done) }()
+	f := &fixture{eng: eng, tok: tok, sched: s}
+	f.stop = func() { cancel(); <-done; eng.Close() }
+	t.Cleanup(f.stop)
+	return f
+}
+
+func greedy() sample.Params {
+	p := sample.DefaultParams()
+	p.Temperature = 0
+	return p
+}
+
+func collect(t *testing.T, ch <-chan Event) (string, Event) {
+	t.Helper()
+	var b strings.Builder
+	timeout := time.After(60 * time.Second)
+	for {
+		select {
+		case ev, ok := <-ch:
+			if !ok {
+				t.Fatal("channel closed without a final event")
+			}
+			b.WriteString(ev.Text)
+			if ev.Done || ev.Err != nil {
+				return b.String(), ev
+			}
+		case <-timeout:
+			t.Fatal("generation timed out")
+		}
+	}
+}
+
+// reference generates greedily by calling the engine directly, one token
+// per pass: what the scheduler must reproduce.
+func reference(t *testing.T, f *fixture, prompt []int32, n int) string {
+	t.Helper()
+	st, err := ggufstage.OpenStock(storiesPath, ggufstage.Options{Threads: 1, MaxSeqs: 1, Context: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	b := stage.Batch{Outputs: []int{len(prompt) - 1}}
+	for i, tok := range prompt {
+		b.Seqs, b.Pos, b.Tokens = append(b.Seqs, 9), append(b.Pos, int32(i)), append(b.Tokens, tok)
+	}
+	var out []int32
+	for i := range n {
+		logits, err := st.Forward(&b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		next := argmax(logits)
+		if f.tok.IsEOG(next) {
+			break
+		}
+		out = append(out, next)
+		b = stage.Batch{Seqs: []stage.SeqID{9}, Pos: []int32{int32(len(prompt) + i)}, Tokens: []int32{next}, Outputs: []int{0}}
+	}
+	s, err := f.tok.Decode(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func argmax(x []float32) int32 {
+	best := 0
+	for i, v := range x {
+		if v > x[best] {
+			best = i
+		}
+	}
+	return int32(best)
+}
+
+func TestGreedyMatchesOllama(t *testing.T) {
+	f := newFixture(t, Config{Parallel: 4})
+	prompt, err := f.tok.Encode("Once upon a time", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, err := f.sched.Submit(context.Background(), Request{Prompt: prompt, MaxTokens: 48, Sampling: greedy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, last := collect(t, ch)
+	want := reference(t, f, prompt, 48)
+	if got != want {
+		t.Fatalf("scheduler text differs from ollama's greedy run:\n got %q\nwant %q", got, want)
+	}
+	if last.FinishReason != "length" || last.CompletionTokens != 48 || last.PromptTokens != len(prompt) {
+		t.Fatalf("final event %+v", last)
+	}
+	// stories260K writes English: most of what it says is made of letters and spaces.
+	letters := 0
+	for _, r := range got {
+		if r == ' ' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || r == '.' || r == ',' {
+			letters++
+		}
+	}
+	if letters < len(got)*9/10 || len(strings.Fields(got)) < 10 {
+		t.Fatalf("not English-like: %q", got)
+	}
+	t.Logf("stories260K: %q", got)
+}
+
+func TestConcurrentRequestsBatch(t *testing.T) {
+	f := newFixture(t, Config{Parallel: 8})
+	prompts := []string{"Once upon a time", "The little dog", "Lily and Tom", "One day, a bird", "The sun was", "Max liked to", "A big red ball", "Sam was sad"}
+	want := make([]string, len(prompts))
+	toks := make([][]int32, len(prompts))
+	for i, p := range prompts {
+		toks[i], _ = f.tok.Encode(p, true)
+		want[i] = reference(t, f, toks[i], 24)
+	}
+	var wg sync.WaitGroup
+	got := make([]string, len(prompts))
+	for i := range prompts {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ch, err := f.sched.Submit(context.Background(), Request{Prompt: toks[i], MaxTokens: 24, Sampling: greedy()})
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			got[i], _ = collect(t, ch)
+		}()
+	}
+	wg.Wait()
+	for i := range prompts {
+		if got[i] != want[i] {
+			t.Errorf("%q: batched %q, alone %q", prompts[i], got[i], want[i])
+		}
+	}
+	if st := f.sched.Stats(); st.Forwards >= uint64(8*24) {
+		t.Errorf("%d forward passes for 8×24 tokens: requests were not batched", st.Forwards)
+	}
+}
+
+func TestStopStringAndCancel(t *testing.T) {
+	f := newFixture(t, Config{Parallel: 1, QueueSize: 1})
+	prompt, _ := f.tok.Encode("Once upon a time", true)
+	full := reference(t, f, prompt, 40)
+	words := strings.Fields(full)
+	stop := " " + words[4]
+	ch, err := f.sched.Submit(context.Background(), Request{Prompt: prompt, MaxTokens: 40, Stop: []string{stop}, Sampling: greedy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, last := collect(t, ch)
+	if want, _, _ := strings.Cut(full, stop); got != want || last.FinishReason != "stop" {
+		t.Fatalf("stop %q: got %q (%s), want %q", stop, got, last.FinishReason, want)
+	}
+
+	// A cancelled request frees its slot: with one slot, the next request
+	// must still run.
+	ctx, cancel := context.WithCancel(context.Background())
+	ch, err = f.sched.Submit(ctx, Request{Prompt: prompt, MaxTokens: 400, Sampling: greedy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-ch
+	cancel()
+	for ev := range ch {
+		if ev.Done {
+			t.Fatal("cancelled request completed")
+		}
+	}
+	ch, err = f.sched.Submit(context.Background(), Request{Prompt: prompt, MaxTokens: 5, Sampling: greedy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, last := collect(t, ch); !last.Done {
+		t.Fatalf("after cancel: %+v", last)
+	}
+}
+
+func TestOverloadAndContext(t *testing.T) {
+	f := newFixture(t, Config{Parallel: 1, QueueSize: 1})
+	prompt, _ := f.tok.Encode("Once upon a time", true)
+	long := make([]int32, 600)
+	if _, err := f.sched.Submit(context.Background(), Request{Prompt: long, Sampling: greedy()}); !errors.Is(err, ErrContextLength) {
+		t.Fatalf("over-long prompt: %v", err)
+	}
+	var chans []<-chan Event
+	var overloaded bool
+	for range 10 {
+		ch, err := f.sched.Submit(context.Background(), Request{Prompt: prompt, MaxTokens: 200, Sampling: greedy()})
+		if errors.Is(err, ErrOverloaded) {
+			overloaded = true
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		chans = append(chans, ch)
+	}
+	if !overloaded {
+		t.Fatal("queue never filled")
+	}
+	for _, ch := range chans {
+		collect(t, ch)
+	}
+}
