@@ -11,6 +11,8 @@ import (
 	"github.com/ollama/ollama/model/models/llama"
 	"github.com/ollama/ollama/model/models/qwen2"
 	"github.com/ollama/ollama/model/models/qwen3"
+
+	"github.com/meshnode/meshnode/ggufstage/gguf"
 )
 
 // Architectures lists what the engine runs. Mistral's dense models and
@@ -55,6 +57,33 @@ func newAdapter(m model.Model, eps float32) (adapter, error) {
 var commonRequired = []string{
 	"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
 	"ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+}
+
+// blockTensors are the tensors every block of an architecture needs.
+var blockTensors = map[string][]string{
+	"llama": commonRequired,
+	"qwen2": commonRequired,
+	"qwen3": append(slices.Clone(commonRequired), "attn_q_norm.weight", "attn_k_norm.weight"),
+}
+
+// checkTensors checks, from the header alone, that f holds every tensor
+// layers [start,end) need (a tied head is the token embedding), so that a
+// broken file is refused with the missing tensor's name before ollama or
+// ggml sees it.
+func checkTensors(f *gguf.File, start, end, layers int) error {
+	if start < 0 || end > layers || start >= end {
+		return fmt.Errorf("%w: layer range [%d,%d) is not inside the model's %d layers", gguf.ErrFormat, start, end, layers)
+	}
+	have := make(map[string]bool, len(f.Tensors))
+	for i := range f.Tensors {
+		have[f.Tensors[i].Name] = true
+	}
+	for _, name := range requiredTensors(start, end, layers, blockTensors[f.Arch()]) {
+		if !have[name] && !(name == "output.weight" && have["token_embd.weight"]) {
+			return fmt.Errorf("%w: no tensor %s, needed for layers [%d,%d)", gguf.ErrFormat, name, start, end)
+		}
+	}
+	return nil
 }
 
 func requiredTensors(start, end, layers int, perBlock []string) []string {
@@ -129,5 +158,5 @@ func (a qwen3Adapter) head(ctx ml.Context, h ml.Tensor) ml.Tensor {
 }
 
 func (a qwen3Adapter) required(s, e, l int) []string {
-	return requiredTensors(s, e, l, append(slices.Clone(commonRequired), "attn_q_norm.weight", "attn_k_norm.weight"))
+	return requiredTensors(s, e, l, blockTensors["qwen3"])
 }

@@ -66,11 +66,11 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 		return nil, err
 	}
 	if err := checkArch(meta.Arch()); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("loading %s: %w", path, err)
 	}
 	layers, err := meta.BlockCount()
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("loading %s: %w", path, err)
 	}
 	if start < 0 || end > layers || start >= end {
 		return nil, fmt.Errorf("layer range [%d,%d) is not inside the model's %d layers", start, end, layers)
@@ -106,10 +106,13 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 		}
 		return nil, fmt.Errorf("loading %s: %w", path, err)
 	}
-	e = &Engine{m: m, backend: m.Backend(), cache: m.Config().Cache, batch: opts.BatchSize}
+	// eng, not the named result: a failed return sets e to nil, and the
+	// half-built engine must still be closed.
+	eng := &Engine{m: m, backend: m.Backend(), cache: m.Config().Cache, batch: opts.BatchSize}
+	e = eng
 	defer func() {
 		if err != nil {
-			e.Close()
+			eng.Close()
 		}
 	}()
 	eps, _ := meta.Get(meta.Arch() + ".attention.layer_norm_rms_epsilon")
@@ -163,6 +166,12 @@ func readHeader(path string) (*gguf.File, error) {
 	st, err := f.Stat()
 	if err != nil {
 		return nil, fmt.Errorf("opening model: %w", err)
+	}
+	switch {
+	case st.IsDir():
+		return nil, fmt.Errorf("opening model: %s is a directory, not a GGUF file", path)
+	case st.Size() == 0:
+		return nil, fmt.Errorf("reading %s: %w: the file is empty, not a GGUF file", path, gguf.ErrFormat)
 	}
 	meta, err := gguf.Read(f, st.Size())
 	if err != nil {

@@ -146,7 +146,7 @@ var storiesScenario = scenario{
 }
 
 func TestOneStageMatchesStock(t *testing.T) {
-	opts := Options{Threads: 2, MaxSeqs: 2, Context: 256, NoRepack: true}
+	opts := Options{Threads: 1, MaxSeqs: 2, Context: 256, NoRepack: true}
 	stock, err := OpenStock(storiesPath, opts)
 	if err != nil {
 		t.Fatal(err)
@@ -172,7 +172,7 @@ func TestOneStageMatchesStock(t *testing.T) {
 }
 
 func TestSplitEquivalence(t *testing.T) {
-	opts := Options{Threads: 2, MaxSeqs: 2, Context: 256}
+	opts := Options{Threads: 1, MaxSeqs: 2, Context: 256}
 	ref := openSplit(t, storiesPath, []int{0, 5}, opts)
 	ref.open(t, 1, 2)
 	vocab := ref.stages[0].Info().Vocab
@@ -230,7 +230,7 @@ func TestSliceHoldsOnlyItsTensors(t *testing.T) {
 }
 
 func TestGreedyThroughF16Wire(t *testing.T) {
-	opts := Options{Threads: 2, MaxSeqs: 2, Context: 256}
+	opts := Options{Threads: 1, MaxSeqs: 2, Context: 256}
 	gen := func(p *pipeline) []int32 {
 		p.open(t, 1)
 		toks := []int32{1}

@@ -28,7 +28,11 @@ func ReadInfo(path string) (ModelInfo, error) {
 	if err != nil {
 		return ModelInfo{}, err
 	}
-	return infoOf(f)
+	mi, err := infoOf(f)
+	if err != nil {
+		return ModelInfo{}, fmt.Errorf("reading %s: %w", path, err)
+	}
+	return mi, nil
 }
 
 func infoOf(f *gguf.File) (ModelInfo, error) {
@@ -47,6 +51,17 @@ func infoOf(f *gguf.File) (ModelInfo, error) {
 	}
 	if mi.Embd == 0 || mi.Heads == 0 {
 		return ModelInfo{}, fmt.Errorf("%w: embedding_length or head_count missing", gguf.ErrFormat)
+	}
+	// A slice holds the tensors of its own range; a model those of all.
+	start, end := 0, layers
+	if s, ok := f.Get(gguf.KeySliceStart); ok {
+		e, _ := f.Get(gguf.KeySliceEnd)
+		su, _ := s.Uint()
+		eu, _ := e.Uint()
+		start, end = int(su), int(eu)
+	}
+	if err := checkTensors(f, start, end, layers); err != nil {
+		return ModelInfo{}, err
 	}
 	if mi.KVHeads == 0 {
 		mi.KVHeads = mi.Heads

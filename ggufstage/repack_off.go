@@ -12,5 +12,9 @@ func (*repacker) take(any, []byte) bool { return false }
 
 func (*repacker) Close() error { return nil }
 
+func (*repacker) count() int { return 0 }
+
+func repackCPU() bool { return false }
+
 // RepackAvailable reports whether this build can repack weights.
 const RepackAvailable = false

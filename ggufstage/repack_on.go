@@ -51,6 +51,12 @@ static int meshnode_repack_ok(const struct ggml_tensor * t) {
 	}
 }
 
+// meshnode_repack_cpu reports whether this CPU has any of the kernels
+// meshnode_repack_ok asks for.
+static int meshnode_repack_cpu(void) {
+	return ggml_cpu_has_avx2() || (ggml_cpu_has_neon() && (ggml_cpu_has_matmul_int8() || ggml_cpu_has_dotprod()));
+}
+
 // meshnode_repack re-homes t into a new repack buffer filled from data. The
 // tensor's old storage (in ollama's weight buffer) is never written, so its
 // pages are never made resident.
@@ -134,6 +140,18 @@ func (r *repacker) take(target ml.Tensor, data []byte) bool {
 	r.bufs = append(r.bufs, buf)
 	return true
 }
+
+// count is the number of tensors repacked so far (tests check that
+// repacking really happens).
+func (r *repacker) count() int {
+	if r == nil {
+		return 0
+	}
+	return len(r.bufs)
+}
+
+// repackCPU reports whether the CPU has repacked kernels at all.
+func repackCPU() bool { return C.meshnode_repack_cpu() != 0 }
 
 // Close frees the repacked buffers; call it after the backend is closed.
 func (r *repacker) Close() error {

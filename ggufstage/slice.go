@@ -28,13 +28,18 @@ func Slice(src, dataDir string, start, end int, progress Progress) (string, erro
 		return "", err
 	}
 	if err := checkArch(meta.Arch()); err != nil {
-		return "", err
+		return "", fmt.Errorf("slicing %s: %w", src, err)
 	}
 	parts, err := gguf.StageParts(meta, start, end)
 	if err != nil {
 		return "", fmt.Errorf("slicing %s: %w", src, err)
 	}
 	layers, _ := meta.BlockCount()
+	// A slice that could not be loaded is refused here, where the source
+	// is at hand, rather than where the slice is opened (maybe on a peer).
+	if err := checkTensors(meta, start, end, layers); err != nil {
+		return "", fmt.Errorf("slicing %s: %w", src, err)
+	}
 	if start == 0 && end == layers {
 		return src, nil
 	}

@@ -26,7 +26,7 @@ func LoadTokenizer(path string) (t *Tokenizer, err error) {
 		return nil, err
 	}
 	if err := checkArch(meta.Arch()); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("loading tokenizer of %s: %w", path, err)
 	}
 	tp, err := model.NewTextProcessor(path)
 	if err != nil {

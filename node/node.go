@@ -98,7 +98,7 @@ func Run(ctx context.Context, cfg Config) error {
 		zap.Int("layers", m.info.Layers), zap.Uint64("weight_bytes", m.engine.WeightBytes()),
 		zap.Int("context", m.info.Context), zap.Int("parallel", m.info.MaxSeqs))
 
-	m.sched = scheduler.New(m.engine, m.tok, scheduler.Config{
+	m.sched = scheduler.New(scheduler.Local(m.engine), m.tok, scheduler.Config{
 		Parallel: cfg.Parallel, BatchTokens: cfg.BatchTokens, QueueSize: cfg.QueueSize,
 	}, log.Named("scheduler"))
 

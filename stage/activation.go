@@ -73,6 +73,10 @@ func (a *Activation) Validate() error {
 	if a.Rows <= 0 || a.Cols <= 0 {
 		return fmt.Errorf("stage: activation shape [%d,%d] is not positive", a.Rows, a.Cols)
 	}
+	// Bound each factor first so that the product cannot wrap around.
+	if a.Rows > MaxActivationBytes || a.Cols > MaxActivationBytes {
+		return fmt.Errorf("stage: activation [%d,%d] %s is over the %d byte limit", a.Rows, a.Cols, a.DType, MaxActivationBytes)
+	}
 	want := uint64(a.Rows) * uint64(a.Cols) * uint64(a.DType.Size())
 	if want > MaxActivationBytes {
 		return fmt.Errorf("stage: activation [%d,%d] %s is %d bytes, over the %d limit", a.Rows, a.Cols, a.DType, want, MaxActivationBytes)

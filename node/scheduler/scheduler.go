@@ -29,6 +29,20 @@ type Tokenizer interface {
 	IsEOG(token int32) bool
 }
 
+// Pipeline runs batches through every layer of the model and samples each
+// output row where the logits are: on the last stage. Only token ids come
+// back. A local engine becomes a Pipeline with Local; a mesh provides one
+// that spans several nodes.
+type Pipeline interface {
+	Info() stage.Info
+	// Open starts a sequence whose tokens will be sampled with p, given
+	// the prompt for repetition penalties.
+	Open(seq stage.SeqID, p sample.Params, prompt []int32) error
+	// Forward runs the batch and returns one sampled token per output row.
+	Forward(ctx context.Context, b *stage.Batch) ([]int32, error)
+	Release(seq stage.SeqID) error
+}
+
 // Config sizes the scheduler.
 type Config struct {
 	Parallel    int // sequences generating at once; at most the pipeline's MaxSeqs
@@ -74,7 +88,7 @@ type Stats struct {
 
 // Scheduler owns the pipeline: only its Run goroutine calls Forward.
 type Scheduler struct {
-	pipe stage.Engine
+	pipe Pipeline
 	tok  Tokenizer
 	cfg  Config
 	log  *zap.Logger
@@ -90,7 +104,7 @@ type Scheduler struct {
 }
 
 // New makes a scheduler over a pipeline that covers all layers.
-func New(pipe stage.Engine, tok Tokenizer, cfg Config, log *zap.Logger) *Scheduler {
+func New(pipe Pipeline, tok Tokenizer, cfg Config, log *zap.Logger) *Scheduler {
 	info := pipe.Info()
 	if cfg.Parallel <= 0 {
 		cfg.Parallel = 4
@@ -116,13 +130,12 @@ func New(pipe stage.Engine, tok Tokenizer, cfg Config, log *zap.Logger) *Schedul
 
 // seq is one request in flight.
 type seq struct {
-	id      stage.SeqID
-	req     Request
-	ctx     context.Context
-	events  chan Event
-	sampler *sample.Sampler
-	stream  text.Stream
-	stops   *text.StopMatcher
+	id     stage.SeqID
+	req    Request
+	ctx    context.Context
+	events chan Event
+	stream text.Stream
+	stops  *text.StopMatcher
 
 	tokens    []int32 // prompt then generated
 	fed       int     // tokens already through the model
@@ -160,13 +173,12 @@ func (s *Scheduler) Submit(ctx context.Context, r Request) (<-chan Event, error)
 	// scheduler never blocks on a slow client.
 	room := min(r.MaxTokens, s.info.Context-len(r.Prompt))
 	q := &seq{
-		id:      stage.SeqID(s.nextID.Add(1)),
-		req:     r,
-		ctx:     ctx,
-		events:  make(chan Event, room+4),
-		sampler: sample.New(r.Sampling),
-		stops:   stops,
-		tokens:  slices.Clone(r.Prompt),
+		id:     stage.SeqID(s.nextID.Add(1)),
+		req:    r,
+		ctx:    ctx,
+		events: make(chan Event, room+4),
+		stops:  stops,
+		tokens: slices.Clone(r.Prompt),
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -240,7 +252,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		for len(active) < s.cfg.Parallel && len(waiting) > 0 {
 			q := waiting[0]
 			waiting = waiting[1:]
-			if err := s.pipe.Open(q.id); err != nil {
+			if err := s.pipe.Open(q.id, q.req.Sampling, q.req.Prompt); err != nil {
 				s.finish(q, Event{Err: fmt.Errorf("opening sequence: %w", err)})
 				continue
 			}
@@ -293,12 +305,15 @@ func (s *Scheduler) step(ctx context.Context, active []*seq) []*seq {
 	}
 
 	start := time.Now()
-	out, err := s.pipe.Forward(ctx, &b)
+	toks, err := s.pipe.Forward(ctx, &b)
 	elapsed := time.Since(start)
 	s.mu.Lock()
 	s.stats.Forwards++
 	s.stats.ForwardSeconds += elapsed.Seconds()
 	s.mu.Unlock()
+	if err == nil && len(toks) != len(outs) {
+		err = fmt.Errorf("pipeline returned %d tokens for %d output rows", len(toks), len(outs))
+	}
 	if err != nil {
 		s.log.Error("forward pass failed", zap.Error(err), zap.Int("rows", b.Rows()))
 		for _, q := range active {
@@ -317,12 +332,9 @@ func (s *Scheduler) step(ctx context.Context, active []*seq) []*seq {
 	s.stats.PromptTokens += prompt
 	s.mu.Unlock()
 
-	vocab := s.info.Vocab
 	finished := map[*seq]bool{}
 	for r, q := range outs {
-		logits := out.Logits[r*vocab : (r+1)*vocab]
-		tok := q.sampler.Sample(logits, q.tokens)
-		if reason, done := s.accept(q, tok); done {
+		if reason, done := s.accept(q, toks[r]); done {
 			s.complete(q, reason)
 			finished[q] = true
 		}
