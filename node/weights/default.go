@@ -1,5 +1,5 @@
 // Package weights finds and fetches model files: the default model, and
-// (later) the byte ranges of a stage's slice from peers or Hugging Face.
+// the byte ranges of a stage's slice from peers or Hugging Face.
 package weights
 
 import (
