@@ -1,0 +1,248 @@
+package membership
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+)
+
+// Node states a node announces in Meta.State.
+const (
+	NodeLoading  = "loading"
+	NodeReady    = "ready"
+	NodeDraining = "draining"
+)
+
+// ModelRef is a model a node knows about.
+type ModelRef struct {
+	ID      string
+	Name    string
+	HasFile bool // the weights are on this node's disk
+}
+
+// Serve is a slice of a model a node serves: layers [Start, End).
+type Serve struct {
+	Model      string
+	Start, End int
+}
+
+// Meta is what each node tells the mesh about itself.
+type Meta struct {
+	PeerID string // filled from the member's name; senders need not set it
+	Name   string // human name (hostname)
+	Addrs  []string
+	HTTP   string
+	Engine string
+	// Backend is the compute backend (cpu, metal, cuda, …).
+	Backend  string
+	MemTotal uint64
+	MemFree  uint64
+	Speed    float64
+	Models   []ModelRef
+	Serving  []Serve
+	Load     float64 // queued + active requests
+	State    string  // NodeLoading, NodeReady, NodeDraining
+	LoadPct  float32
+	// Version is assigned by UpdateMeta (it grows on every update, across
+	// restarts too); a value set by the caller is ignored.
+	Version uint64
+}
+
+// Wire format. memberlist's node meta is limited to 512 bytes and is what
+// gossip carries in every alive message, so it holds the whole Meta when the
+// JSON fits ('F'), else a summary of the small, fast-changing ("hot") fields
+// plus a hash of the rest ('S'). Receivers of a summary whose hash differs from
+// what they hold fetch the full metadata with a push-pull exchange, which
+// carries LocalState ('P': the full Meta, no size limit). Load changes thus
+// cost one gossip message; a changed model list costs one TCP round trip per
+// receiver.
+const (
+	tagFull    = 'F'
+	tagSummary = 'S'
+	tagState   = 'P'
+)
+
+// maxStateLen bounds a decoded push-pull state (a hostile or broken member
+// could otherwise make us allocate freely).
+const maxStateLen = 1 << 20
+
+type wireModel struct {
+	I string `json:"i"`
+	N string `json:"n,omitempty"`
+	F bool   `json:"f,omitempty"`
+}
+
+type wireServe struct {
+	M string `json:"m"`
+	S int    `json:"s"`
+	E int    `json:"e"`
+}
+
+// cold holds the fields that rarely change and can be large.
+type cold struct {
+	N  string      `json:"n,omitempty"`
+	A  []string    `json:"a,omitempty"`
+	H  string      `json:"h,omitempty"`
+	E  string      `json:"e,omitempty"`
+	B  string      `json:"b,omitempty"`
+	M  []wireModel `json:"m,omitempty"`
+	SV []wireServe `json:"sv,omitempty"`
+}
+
+// hot holds small numbers and the state string.
+type hot struct {
+	MT uint64  `json:"mt,omitempty"`
+	MF uint64  `json:"mf,omitempty"`
+	SP float64 `json:"sp,omitempty"`
+	L  float64 `json:"l,omitempty"`
+	ST string  `json:"st,omitempty"`
+	LP float32 `json:"lp,omitempty"`
+	V  uint64  `json:"v"`
+	// X is set while the node leaves gracefully. memberlist does tell left
+	// from dead apart internally, but the Node it hands to NotifyLeave carries
+	// a stale State (its nodeState shadows Node.State), so the leaving node
+	// says goodbye in its metadata first.
+	X bool `json:"x,omitempty"`
+}
+
+type wireFull struct {
+	P string `json:"p,omitempty"` // peer ID, only in push-pull state
+	cold
+	hot
+}
+
+type wireSummary struct {
+	hot
+	CH uint64 `json:"ch"` // hash of the cold fields
+}
+
+// maxStateStr caps Meta.State so a summary always fits the meta limit.
+const maxStateStr = 32
+
+func toCold(m Meta) cold {
+	c := cold{N: m.Name, A: m.Addrs, H: m.HTTP, E: m.Engine, B: m.Backend}
+	for _, x := range m.Models {
+		c.M = append(c.M, wireModel{I: x.ID, N: x.Name, F: x.HasFile})
+	}
+	for _, s := range m.Serving {
+		c.SV = append(c.SV, wireServe{M: s.Model, S: s.Start, E: s.End})
+	}
+	return c
+}
+
+func toHot(m Meta) hot { return toHotBye(m, false) }
+
+func toHotBye(m Meta, bye bool) hot {
+	st := m.State
+	if len(st) > maxStateStr {
+		st = st[:maxStateStr]
+	}
+	return hot{MT: m.MemTotal, MF: m.MemFree, SP: m.Speed, L: m.Load, ST: st, LP: m.LoadPct, V: m.Version, X: bye}
+}
+
+func (c cold) apply(m *Meta) {
+	m.Name, m.Addrs, m.HTTP, m.Engine, m.Backend = c.N, c.A, c.H, c.E, c.B
+	m.Models, m.Serving = nil, nil
+	for _, x := range c.M {
+		m.Models = append(m.Models, ModelRef{ID: x.I, Name: x.N, HasFile: x.F})
+	}
+	for _, s := range c.SV {
+		m.Serving = append(m.Serving, Serve{Model: s.M, Start: s.S, End: s.E})
+	}
+}
+
+func (h hot) apply(m *Meta) {
+	m.MemTotal, m.MemFree, m.Speed, m.Load, m.State, m.LoadPct, m.Version = h.MT, h.MF, h.SP, h.L, h.ST, h.LP, h.V
+}
+
+// hash identifies the cold fields; equal hashes mean nothing to fetch.
+func (c cold) hash() uint64 {
+	raw, _ := json.Marshal(c) // plain data: cannot fail
+	f := fnv.New64a()
+	f.Write(raw)
+	return f.Sum64() | 1 // never 0, which means "unknown"
+}
+
+// encodeNodeMeta returns the gossip form of m, at most limit bytes.
+func encodeNodeMeta(m Meta, bye bool, limit int) ([]byte, error) {
+	c := toCold(m)
+	full, err := json.Marshal(wireFull{cold: c, hot: toHotBye(m, bye)})
+	if err != nil {
+		return nil, fmt.Errorf("encode node meta: %w", err)
+	}
+	if 1+len(full) <= limit {
+		return append([]byte{tagFull}, full...), nil
+	}
+	sum, err := json.Marshal(wireSummary{hot: toHotBye(m, bye), CH: c.hash()})
+	if err != nil {
+		return nil, fmt.Errorf("encode node meta summary: %w", err)
+	}
+	if 1+len(sum) > limit {
+		return nil, fmt.Errorf("encode node meta: summary is %d bytes, limit %d", 1+len(sum), limit)
+	}
+	return append([]byte{tagSummary}, sum...), nil
+}
+
+// nodeMeta is a decoded node meta: either full, or hot fields plus a hash.
+type nodeMeta struct {
+	full     bool
+	bye      bool // the node is leaving gracefully
+	meta     Meta // hot fields only when !full
+	coldHash uint64
+}
+
+func decodeNodeMeta(b []byte) (nodeMeta, error) {
+	if len(b) == 0 {
+		return nodeMeta{}, errors.New("decode node meta: empty")
+	}
+	switch b[0] {
+	case tagFull:
+		var w wireFull
+		if err := json.Unmarshal(b[1:], &w); err != nil {
+			return nodeMeta{}, fmt.Errorf("decode node meta: %w", err)
+		}
+		var m Meta
+		w.cold.apply(&m)
+		w.hot.apply(&m)
+		return nodeMeta{full: true, bye: w.X, meta: m, coldHash: w.cold.hash()}, nil
+	case tagSummary:
+		var w wireSummary
+		if err := json.Unmarshal(b[1:], &w); err != nil {
+			return nodeMeta{}, fmt.Errorf("decode node meta summary: %w", err)
+		}
+		var m Meta
+		w.hot.apply(&m)
+		return nodeMeta{bye: w.X, meta: m, coldHash: w.CH}, nil
+	default:
+		return nodeMeta{}, fmt.Errorf("decode node meta: unknown format %q", b[0])
+	}
+}
+
+func encodeState(peerID string, m Meta) ([]byte, error) {
+	raw, err := json.Marshal(wireFull{P: peerID, cold: toCold(m), hot: toHot(m)})
+	if err != nil {
+		return nil, fmt.Errorf("encode local state: %w", err)
+	}
+	return append([]byte{tagState}, raw...), nil
+}
+
+func decodeState(b []byte) (peerID string, m Meta, coldHash uint64, err error) {
+	if len(b) == 0 || b[0] != tagState {
+		return "", Meta{}, 0, errors.New("decode remote state: unknown format")
+	}
+	if len(b) > maxStateLen {
+		return "", Meta{}, 0, fmt.Errorf("decode remote state: %d bytes, limit %d", len(b), maxStateLen)
+	}
+	var w wireFull
+	if err := json.Unmarshal(b[1:], &w); err != nil {
+		return "", Meta{}, 0, fmt.Errorf("decode remote state: %w", err)
+	}
+	if w.P == "" {
+		return "", Meta{}, 0, errors.New("decode remote state: no peer ID")
+	}
+	w.cold.apply(&m)
+	w.hot.apply(&m)
+	m.PeerID = w.P
+	return w.P, m, w.cold.hash(), nil
+}
