@@ -180,6 +180,20 @@ func readHeader(path string) (*gguf.File, error) {
 	return meta, nil
 }
 
+// computeMu serializes graph compute across every engine in the process:
+// ollama creates one ggml CPU backend per device for the whole process and
+// all models share it, work buffer included, so two graphs computing at
+// once on it corrupt each other's results.
+var computeMu sync.Mutex
+
+// compute runs the graph ending in t and reads t back.
+func compute(gctx ml.Context, t ml.Tensor) []float32 {
+	computeMu.Lock()
+	defer computeMu.Unlock()
+	gctx.Forward(t).Compute(t)
+	return t.Floats()
+}
+
 // recoverErr turns a panic from ggml or ollama into an error: ggml reports
 // failures (out of memory, bad shapes) by panicking.
 func recoverErr(err *error, doing string) {
@@ -308,8 +322,7 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 	if last {
 		h = e.arch.head(gctx, h)
 	}
-	gctx.Forward(h).Compute(h)
-	floats := h.Floats()
+	floats := compute(gctx, h)
 
 	out = &stage.Output{}
 	switch {

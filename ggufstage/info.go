@@ -2,6 +2,7 @@ package ggufstage
 
 import (
 	"fmt"
+	"io"
 
 	"github.com/meshnode/meshnode/ggufstage/gguf"
 	"github.com/meshnode/meshnode/stage"
@@ -104,4 +105,41 @@ func (mi ModelInfo) Memory(start, end, batch int) (stage.Memory, error) {
 	}
 	m.Compute = uint64(batch) * width * 4 * 2
 	return m, nil
+}
+
+// Sizes breaks the model's bytes down the way a planner places them: each
+// block's tensors, the embedding (first stage), the head (last stage; for
+// a tied head, a copy of the embedding), and K+V bytes per cached token per
+// layer in f16.
+func (mi ModelInfo) Sizes() (perLayer []uint64, embed, head, kvPerTokenPerLayer uint64) {
+	perLayer = make([]uint64, mi.Layers)
+	hasOutput := false
+	for i := range mi.header.Tensors {
+		t := &mi.header.Tensors[i]
+		switch b := gguf.Block(t.Name); {
+		case b >= 0 && b < mi.Layers:
+			perLayer[b] += t.Size()
+		case t.Name == "token_embd.weight":
+			embed += t.Size()
+		case t.Name == "output.weight":
+			hasOutput = true
+			head += t.Size()
+		case t.Name == "output_norm.weight":
+			head += t.Size()
+		}
+	}
+	if !hasOutput {
+		head += embed
+	}
+	return perLayer, embed, head, 2 * uint64(mi.KVHeads*mi.HeadDim) * 2
+}
+
+// ReadInfoFrom reads a GGUF header from any source of its bytes (a peer, a
+// remote file) of the given size.
+func ReadInfoFrom(r io.ReaderAt, size int64) (ModelInfo, error) {
+	f, err := gguf.Read(io.NewSectionReader(r, 0, size), size)
+	if err != nil {
+		return ModelInfo{}, err
+	}
+	return infoOf(f)
 }

@@ -118,6 +118,8 @@ func (s *Stock) Forward(b *stage.Batch) (logits []float32, err error) {
 	if err != nil {
 		return nil, err
 	}
+	computeMu.Lock()
+	defer computeMu.Unlock()
 	ctx.Compute(t)
 	return t.Floats(), nil
 }

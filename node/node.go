@@ -1,6 +1,6 @@
-// Package node runs a meshnode: it loads the model's stages, owns the
-// scheduler, and serves the OpenAI-compatible API. cmd/meshnode only parses
-// flags and calls Run.
+// Package node runs a meshnode: it joins (or starts) a mesh, plans which
+// node serves which layers, loads its own stage, and serves the OpenAI API
+// for the whole mesh. cmd/meshnode only parses flags and calls Run.
 package node
 
 import (
@@ -11,21 +11,23 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
 	"go.uber.org/zap"
 
 	"github.com/meshnode/meshnode/ggufstage"
+	"github.com/meshnode/meshnode/node/membership"
 	"github.com/meshnode/meshnode/node/openai"
 	"github.com/meshnode/meshnode/node/scheduler"
 	"github.com/meshnode/meshnode/node/weights"
 	"github.com/meshnode/meshnode/stage"
 )
 
-// Config is everything `meshnode serve` takes.
+// Config is everything `meshnode serve` and `meshnode join` take.
 type Config struct {
-	Model          string // path to a .gguf; "" = the default model
+	Model          string // path to a .gguf; "" = the default model (serve) or the mesh's (join)
 	HTTPAddr       string // default 127.0.0.1:9337
 	DataDir        string // slices, hashes, keys
 	CacheDir       string // downloaded models
@@ -40,8 +42,23 @@ type Config struct {
 	NoRepack       bool
 	Logger         *zap.Logger
 	Progress       ggufstage.Progress
+
+	// The mesh.
+	Listen     []string // libp2p multiaddrs; default /ip4/0.0.0.0/tcp/4001
+	GossipBind string   // gossip bind address; default all interfaces
+	GossipPort int      // default 4002 (falls back to any); -1 = any
+	MeshKey    string   // the mesh's key; serve creates one when empty
+	Join       []string // multiaddrs of nodes to join
+	MDNS       bool
+	Split      bool   // split the model over every ready node even when it fits one
+	Layers     string // "a:b" pins this node's layer range
+	MaxMemory  uint64 // cap on what this node offers the planner
+	WireDType  stage.DType
+
 	// Ready, if set, is called with the HTTP address once the node serves.
 	Ready func(addr string)
+	// JoinCommand, if set, gets the command that adds a machine to the mesh.
+	JoinCommand func(cmd string)
 }
 
 // DefaultHTTPAddr is loopback: exposing the API is an explicit choice.
@@ -56,6 +73,30 @@ func DefaultDataDir() string {
 		return filepath.Join(h, ".meshnode")
 	}
 	return ".meshnode"
+}
+
+// pins parses --layers into the range this node announces.
+func (c Config) pins() []membership.Serve {
+	if c.Layers == "" {
+		return nil
+	}
+	a, b, _ := strings.Cut(c.Layers, ":")
+	start, err1 := strconv.Atoi(a)
+	end, err2 := strconv.Atoi(b)
+	if err1 != nil || err2 != nil {
+		return nil
+	}
+	return []membership.Serve{{Start: start, End: end}}
+}
+
+func (c Config) validate() error {
+	if c.Layers != "" {
+		p := c.pins()
+		if p == nil || p[0].Start < 0 || p[0].End <= p[0].Start {
+			return fmt.Errorf("--layers %q: want START:END with 0 <= START < END", c.Layers)
+		}
+	}
+	return checkExposure(c.HTTPAddr, c.APIKey)
 }
 
 // Run serves until ctx is cancelled, then shuts down gracefully.
@@ -73,57 +114,108 @@ func Run(ctx context.Context, cfg Config) error {
 	if cfg.CacheDir == "" {
 		cfg.CacheDir = weights.CacheDir()
 	}
-	if err := checkExposure(cfg.HTTPAddr, cfg.APIKey); err != nil {
+	if cfg.Context <= 0 {
+		cfg.Context = 4096
+	}
+	if cfg.Parallel <= 0 {
+		cfg.Parallel = 4
+	}
+	if cfg.WireDType == 0 {
+		cfg.WireDType = stage.F16
+	}
+	if err := cfg.validate(); err != nil {
 		return err
 	}
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return fmt.Errorf("creating data dir: %w", err)
 	}
-	path := cfg.Model
-	if path == "" {
-		var err error
-		path, err = weights.DefaultModel(ctx, cfg.CacheDir, weights.Progress(cfg.Progress))
-		if err != nil {
-			return err
-		}
-		log.Info("serving the default model", zap.String("path", path))
-	}
 
-	m, err := LoadModel(path, cfg)
+	m, err := startMesh(ctx, cfg, log.Named("mesh"))
 	if err != nil {
 		return err
 	}
-	defer m.Close()
-	log.Info("model loaded", zap.String("model", m.id), zap.String("arch", m.info.Arch),
-		zap.Int("layers", m.info.Layers), zap.Uint64("weight_bytes", m.engine.WeightBytes()),
-		zap.Int("context", m.info.Context), zap.Int("parallel", m.info.MaxSeqs))
+	defer m.close()
 
-	m.sched = scheduler.New(scheduler.Local(m.engine), m.tok, scheduler.Config{
-		Parallel: cfg.Parallel, BatchTokens: cfg.BatchTokens, QueueSize: cfg.QueueSize,
-	}, log.Named("scheduler"))
+	if cfg.Model != "" || len(cfg.Join) == 0 {
+		path := cfg.Model
+		if path == "" {
+			path, err = weights.DefaultModel(ctx, cfg.CacheDir, weights.Progress(cfg.Progress))
+			if err != nil {
+				return err
+			}
+			log.Info("serving the default model", zap.String("path", path))
+		}
+		if _, err := m.addLocalModel(path); err != nil {
+			return err
+		}
+		m.publish()
+	}
+	if cfg.JoinCommand != nil {
+		cfg.JoinCommand(m.host.JoinCommand())
+	}
+	log.Info("node up", zap.String("peer", m.self), zap.Strings("addrs", m.meta.Addrs),
+		zap.String("offers", humanBytes(m.budget)), zap.Float64("speed_gbps", m.speed))
+
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	meshDone := make(chan struct{})
+	go func() { defer close(meshDone); m.run(runCtx) }()
+	defer func() { stop(); <-meshDone }()
+
+	// Wait for the model: a joiner learns it from the mesh.
+	var mm *meshModel
+	for mm == nil {
+		m.mu.Lock()
+		mm = m.model
+		m.mu.Unlock()
+		if mm != nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	served, err := newServed(m, mm, cfg, log)
+	if err != nil {
+		return err
+	}
 
 	ln, err := net.Listen("tcp", cfg.HTTPAddr)
 	if err != nil {
 		return fmt.Errorf("listening on %s: %w", cfg.HTTPAddr, err)
 	}
-	handler := openai.NewHandler(backend{m}, openai.Config{
+	api := openai.NewHandler(backend{served}, openai.Config{
 		APIKey:       cfg.APIKey,
 		MaxTokensCap: cfg.MaxTokensCap,
 		Logger:       log.Named("http"),
+		Health:       served.health,
 	})
-	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second}
+	mux := http.NewServeMux()
+	mux.Handle("/", api)
+	mux.Handle("/api/", requireKey(cfg.APIKey, http.HandlerFunc(m.serveStatus)))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
 	schedDone := make(chan error, 1)
-	go func() { schedDone <- m.sched.Run(runCtx) }()
+	go func() { schedDone <- served.sched.Run(runCtx) }()
 	srvDone := make(chan error, 1)
 	go func() { srvDone <- srv.Serve(ln) }()
 
 	addr := ln.Addr().String()
-	log.Info("serving the OpenAI API", zap.String("url", "http://"+addr+"/v1"))
+	log.Info("serving the OpenAI API", zap.String("url", "http://"+addr+"/v1"), zap.String("model", mm.ref.Name))
 	if cfg.Ready != nil {
-		cfg.Ready(addr)
+		// Ready means requests can run: the mesh has a pipeline.
+		go func() {
+			for m.current() == nil {
+				select {
+				case <-runCtx.Done():
+					return
+				case <-time.After(50 * time.Millisecond):
+				}
+			}
+			cfg.Ready(addr)
+		}()
 	}
 
 	var runErr error
@@ -162,54 +254,80 @@ func checkExposure(addr, key string) error {
 	return fmt.Errorf("--http %s listens beyond loopback: set --api-key (or MESHNODE_API_KEY) so that only your clients can use it", addr)
 }
 
-// Model is one loaded model served by this node.
+// Model is the mesh's model as this node serves it over HTTP.
 type Model struct {
 	id      string
 	created int64
-	engine  stage.Engine
 	info    stage.Info
 	tok     *ggufstage.Tokenizer
 	sched   *scheduler.Scheduler
+	mesh    *mesh
 }
 
-// LoadModel loads every layer of a GGUF on this node.
+func newServed(m *mesh, mm *meshModel, cfg Config, log *zap.Logger) (*Model, error) {
+	tok, err := ggufstage.LoadTokenizer(mm.header)
+	if err != nil {
+		return nil, err
+	}
+	info := stage.Info{
+		Arch: mm.info.Arch, Layers: mm.info.Layers, Embd: mm.info.Embd, Vocab: mm.info.Vocab,
+		Start: 0, End: mm.info.Layers, Context: mm.ref.Context, MaxSeqs: max(mm.ref.Parallel, 1),
+		WireDType: cfg.WireDType,
+	}
+	if info.Context <= 0 {
+		info.Context = cfg.Context
+	}
+	pipe := &meshPipe{m: m, info: info, seqs: map[stage.SeqID]scheduler.Pipeline{}}
+	sched := scheduler.New(pipe, tok, scheduler.Config{
+		Parallel: cfg.Parallel, BatchTokens: cfg.BatchTokens, QueueSize: cfg.QueueSize,
+	}, log.Named("scheduler"))
+	created := time.Now().Unix()
+	if mm.path != "" {
+		if st, err := os.Stat(mm.path); err == nil {
+			created = st.ModTime().Unix()
+		}
+	}
+	return &Model{id: mm.ref.Name, created: created, info: info, tok: tok, sched: sched, mesh: m}, nil
+}
+
+func (s *Model) health() error {
+	if s.mesh.current() == nil {
+		return errNoPipeline
+	}
+	return nil
+}
+
+func modelName(path string) string {
+	return strings.TrimSuffix(filepath.Base(path), filepath.Ext(path))
+}
+
+// requireKey guards the admin API like the OpenAI one.
+func requireKey(key string, h http.Handler) http.Handler {
+	if key == "" {
+		return h
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer "+key {
+			http.Error(w, `{"error":{"message":"invalid api key","type":"invalid_request_error","code":"invalid_api_key"}}`, http.StatusUnauthorized)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
+// LoadModel reads a model's tokenizer and chat template without loading
+// any weights: enough to render and tokenize prompts as the node does.
 func LoadModel(path string, cfg Config) (*Model, error) {
 	tok, err := ggufstage.LoadTokenizer(path)
 	if err != nil {
 		return nil, err
 	}
-	meta, err := ggufstage.ReadInfo(path)
+	info, err := ggufstage.ReadInfo(path)
 	if err != nil {
 		return nil, err
 	}
-	slice, err := ggufstage.Slice(path, cfg.DataDir, 0, meta.Layers, cfg.Progress)
-	if err != nil {
-		return nil, err
-	}
-	parallel := cfg.Parallel
-	if parallel <= 0 {
-		parallel = 4
-	}
-	eng, err := ggufstage.Open(slice, 0, meta.Layers, ggufstage.Options{
-		Threads: cfg.Threads, Context: cfg.Context, MaxSeqs: parallel,
-		BatchSize: cfg.BatchTokens, FlashAttention: cfg.FlashAttention, NoRepack: cfg.NoRepack,
-	})
-	if err != nil {
-		return nil, err
-	}
-	st, _ := os.Stat(path)
-	created := time.Now().Unix()
-	if st != nil {
-		created = st.ModTime().Unix()
-	}
-	return &Model{
-		id:      strings.TrimSuffix(filepath.Base(path), filepath.Ext(path)),
-		created: created,
-		engine:  eng,
-		info:    eng.Info(),
-		tok:     tok,
-	}, nil
+	return &Model{id: modelName(path), tok: tok, info: stage.Info{Arch: info.Arch, Layers: info.Layers, Vocab: info.Vocab, Context: cfg.Context}}, nil
 }
 
-// Close frees the model's engine.
-func (m *Model) Close() error { return m.engine.Close() }
+// Close releases nothing today; it keeps LoadModel's callers honest.
+func (s *Model) Close() error { return nil }

@@ -19,6 +19,11 @@ type ModelRef struct {
 	ID      string
 	Name    string
 	HasFile bool // the weights are on this node's disk
+	// Placement settings, announced by the node that brought the model so
+	// that every node plans with the same inputs.
+	Split    bool // spread over every ready node even when it fits one
+	Context  int  // positions per sequence
+	Parallel int  // sequences at once
 }
 
 // Serve is a slice of a model a node serves: layers [Start, End).
@@ -41,6 +46,7 @@ type Meta struct {
 	Speed    float64
 	Models   []ModelRef
 	Serving  []Serve
+	Pins     []Serve // layer ranges this node was told to serve (--layers)
 	Load     float64 // queued + active requests
 	State    string  // NodeLoading, NodeReady, NodeDraining
 	LoadPct  float32
@@ -71,6 +77,9 @@ type wireModel struct {
 	I string `json:"i"`
 	N string `json:"n,omitempty"`
 	F bool   `json:"f,omitempty"`
+	S bool   `json:"s,omitempty"`
+	C int    `json:"c,omitempty"`
+	P int    `json:"p,omitempty"`
 }
 
 type wireServe struct {
@@ -88,6 +97,7 @@ type cold struct {
 	B  string      `json:"b,omitempty"`
 	M  []wireModel `json:"m,omitempty"`
 	SV []wireServe `json:"sv,omitempty"`
+	PN []wireServe `json:"pn,omitempty"`
 }
 
 // hot holds small numbers and the state string.
@@ -123,10 +133,13 @@ const maxStateStr = 32
 func toCold(m Meta) cold {
 	c := cold{N: m.Name, A: m.Addrs, H: m.HTTP, E: m.Engine, B: m.Backend}
 	for _, x := range m.Models {
-		c.M = append(c.M, wireModel{I: x.ID, N: x.Name, F: x.HasFile})
+		c.M = append(c.M, wireModel{I: x.ID, N: x.Name, F: x.HasFile, S: x.Split, C: x.Context, P: x.Parallel})
 	}
 	for _, s := range m.Serving {
 		c.SV = append(c.SV, wireServe{M: s.Model, S: s.Start, E: s.End})
+	}
+	for _, s := range m.Pins {
+		c.PN = append(c.PN, wireServe{M: s.Model, S: s.Start, E: s.End})
 	}
 	return c
 }
@@ -143,12 +156,15 @@ func toHotBye(m Meta, bye bool) hot {
 
 func (c cold) apply(m *Meta) {
 	m.Name, m.Addrs, m.HTTP, m.Engine, m.Backend = c.N, c.A, c.H, c.E, c.B
-	m.Models, m.Serving = nil, nil
+	m.Models, m.Serving, m.Pins = nil, nil, nil
 	for _, x := range c.M {
-		m.Models = append(m.Models, ModelRef{ID: x.I, Name: x.N, HasFile: x.F})
+		m.Models = append(m.Models, ModelRef{ID: x.I, Name: x.N, HasFile: x.F, Split: x.S, Context: x.C, Parallel: x.P})
 	}
 	for _, s := range c.SV {
 		m.Serving = append(m.Serving, Serve{Model: s.M, Start: s.S, End: s.E})
+	}
+	for _, s := range c.PN {
+		m.Pins = append(m.Pins, Serve{Model: s.M, Start: s.S, End: s.E})
 	}
 }
 

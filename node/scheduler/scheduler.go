@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"math/rand/v2"
 	"sync/atomic"
 	"time"
 
@@ -121,11 +122,15 @@ func New(pipe Pipeline, tok Tokenizer, cfg Config, log *zap.Logger) *Scheduler {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	return &Scheduler{
+	s := &Scheduler{
 		pipe: pipe, tok: tok, cfg: cfg, log: log, info: info,
 		incoming: make(chan *seq, cfg.QueueSize),
 		done:     make(chan struct{}),
 	}
+	// Sequence ids are unique across the mesh: stages serve several entry
+	// nodes at once.
+	s.nextID.Store(rand.Uint64() >> 1)
+	return s
 }
 
 // seq is one request in flight.
@@ -249,13 +254,21 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		// Drop what clients abandoned, then admit into free slots.
 		waiting = slices.DeleteFunc(waiting, func(q *seq) bool { return s.dropIfGone(q) })
 		active = slices.DeleteFunc(active, func(q *seq) bool { return s.dropIfGone(q) })
+		slotsFull := false
 		for len(active) < s.cfg.Parallel && len(waiting) > 0 {
 			q := waiting[0]
-			waiting = waiting[1:]
 			if err := s.pipe.Open(q.id, q.req.Sampling, q.req.Prompt); err != nil {
+				if errors.Is(err, stage.ErrNoSlot) {
+					// Stages are shared by every entry node: wait for a
+					// slot rather than fail.
+					slotsFull = true
+					break
+				}
+				waiting = waiting[1:]
 				s.finish(q, Event{Err: fmt.Errorf("opening sequence: %w", err)})
 				continue
 			}
+			waiting = waiting[1:]
 			q.opened = true
 			active = append(active, q)
 		}
@@ -263,6 +276,12 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		s.stats.Active, s.stats.Waiting = len(active), len(waiting)
 		s.mu.Unlock()
 		if len(active) == 0 {
+			if slotsFull {
+				select {
+				case <-ctx.Done():
+				case <-time.After(20 * time.Millisecond):
+				}
+			}
 			continue
 		}
 		active = s.step(ctx, active)

@@ -1,0 +1,791 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/network"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/core/protocol"
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/meshnode/meshnode/ggufstage"
+	"github.com/meshnode/meshnode/ggufstage/gguf"
+	"github.com/meshnode/meshnode/node/host"
+	"github.com/meshnode/meshnode/node/membership"
+	"github.com/meshnode/meshnode/node/pipeline"
+	"github.com/meshnode/meshnode/node/planner"
+	"github.com/meshnode/meshnode/node/sample"
+	"github.com/meshnode/meshnode/node/scheduler"
+	"github.com/meshnode/meshnode/node/weights"
+	"github.com/meshnode/meshnode/node/wire"
+	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
+	"github.com/meshnode/meshnode/stage"
+)
+
+// libp2p protocols a node speaks besides the join helper.
+const (
+	StageProtocol  protocol.ID = "/meshnode/stage/1"  // gRPC StageService
+	RangesProtocol protocol.ID = "/meshnode/ranges/1" // weight byte ranges
+)
+
+// mesh is a node's part in the mesh: it plans, loads its stage, serves it
+// to the other stages, and builds the pipeline its own requests run on.
+// One goroutine (run) makes every decision; the rest only reads.
+type mesh struct {
+	cfg     Config
+	log     *zap.Logger
+	host    *host.Host
+	ml      *membership.Membership
+	conns   *pipeline.Conns
+	files   weights.FileIndex
+	grpcSrv *grpc.Server
+	mux     *stageMux
+	budget  uint64
+	speed   float64
+	self    string
+
+	mu     sync.Mutex
+	model  *meshModel
+	local  *localStage
+	plan   planner.Plan
+	route  []pipeline.Hop
+	pipe   scheduler.Pipeline // what requests run on now; nil until ready
+	remote *pipeline.Pipeline // pipe, when it spans other nodes
+	events []MeshEvent
+	meta   membership.Meta
+}
+
+// meshModel is the model the mesh serves.
+type meshModel struct {
+	ref    membership.ModelRef
+	info   ggufstage.ModelInfo
+	path   string // the full file, when this node holds it
+	header string // a GGUF of the model's metadata alone (tokenizer)
+}
+
+// localStage is the layer range this node serves.
+type localStage struct {
+	start, end int
+	engine     *ggufstage.Engine
+	server     *pipeline.Server
+	slice      string
+	fetched    uint64 // bytes fetched from peers for the slice
+}
+
+// MeshEvent is something that happened, for status and logs.
+type MeshEvent struct {
+	Time time.Time `json:"time"`
+	Kind string    `json:"kind"`
+	Text string    `json:"text"`
+}
+
+func (m *mesh) event(kind, format string, args ...any) {
+	ev := MeshEvent{Time: time.Now(), Kind: kind, Text: fmt.Sprintf(format, args...)}
+	m.log.Info(ev.Text, zap.String("event", kind))
+	m.mu.Lock()
+	m.events = append(m.events, ev)
+	if len(m.events) > 200 {
+		m.events = m.events[len(m.events)-200:]
+	}
+	m.mu.Unlock()
+}
+
+// startMesh brings up identity, transport, gossip and the stage service.
+func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) {
+	key, err := meshKey(cfg)
+	if err != nil {
+		return nil, err
+	}
+	h, err := host.New(ctx, host.Config{DataDir: cfg.DataDir, Listen: cfg.Listen, MeshKey: key, Logger: log.Named("p2p"), MDNS: cfg.MDNS})
+	if err != nil {
+		return nil, fmt.Errorf("starting libp2p host: %w", err)
+	}
+	m := &mesh{cfg: cfg, log: log, host: h, self: h.ID().String()}
+	m.budget = availableMemory()
+	if cfg.MaxMemory > 0 {
+		m.budget = min(m.budget, cfg.MaxMemory)
+	}
+	m.speed = measureSpeed()
+
+	gossipPort := cfg.GossipPort
+	if gossipPort == 0 {
+		gossipPort = membership.DefaultPort
+	}
+	if gossipPort < 0 {
+		gossipPort = 0
+	}
+	m.meta = membership.Meta{Engine: "ggml", Backend: "cpu", MemTotal: totalMemory(), MemFree: m.budget, Speed: m.speed, State: membership.NodeLoading}
+	if name, err := os.Hostname(); err == nil {
+		m.meta.Name = name
+	}
+	for _, a := range h.Addrs() {
+		m.meta.Addrs = append(m.meta.Addrs, a.String())
+	}
+	m.meta.Pins = cfg.pins()
+	ml, err := membership.New(membership.Config{
+		Name: m.self, BindAddr: cfg.GossipBind, BindPort: gossipPort, PortFallback: cfg.GossipPort == 0,
+		SecretKey: key.GossipKey(), Logger: log.Named("gossip"),
+		Meta: func() membership.Meta { return m.meta },
+	})
+	if err != nil {
+		h.Close()
+		return nil, fmt.Errorf("starting gossip: %w", err)
+	}
+	m.ml = ml
+	h.ServeGossipAddrs(ml.Port(), nil)
+
+	// Weights are served to peers by byte range; stages by gRPC. Both ride
+	// on libp2p streams, so both are private to the mesh.
+	h.LibP2P().SetStreamHandler(RangesProtocol, func(s network.Stream) {
+		if err := weights.ServeRanges(s, &m.files); err != nil {
+			log.Debug("weight range stream", zap.Error(err))
+		}
+	})
+	dial := h.GRPCDialer(StageProtocol)
+	m.conns = pipeline.NewConns(grpc.WithContextDialer(dial), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	m.mux = &stageMux{}
+	m.grpcSrv = grpc.NewServer(wire.ServerOptions()...)
+	meshnodev1.RegisterStageServiceServer(m.grpcSrv, m.mux)
+	ln := h.Listen(StageProtocol)
+	go m.grpcSrv.Serve(ln) // stopped in close
+
+	for _, addr := range cfg.Join {
+		if err := m.join(ctx, addr); err != nil {
+			m.close()
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// libp2p already authenticates and encrypts every stream, so gRPC runs
+// without TLS of its own over them.
+func (m *mesh) dial(ctx context.Context, peer string) (grpc.ClientConnInterface, error) {
+	return m.conns.Dial(ctx, "passthrough:///"+peer)
+}
+
+func meshKey(cfg Config) (host.MeshKey, error) {
+	if cfg.MeshKey != "" {
+		k, err := host.ParseMeshKey(cfg.MeshKey)
+		if err != nil {
+			return k, fmt.Errorf("--mesh-key: %w", err)
+		}
+		if err := host.SaveMeshKey(cfg.DataDir, k); err != nil {
+			return k, err
+		}
+		return k, nil
+	}
+	if len(cfg.Join) > 0 {
+		if k, err := host.LoadMeshKey(cfg.DataDir); err == nil {
+			return k, nil
+		}
+		return host.MeshKey{}, errors.New("joining a mesh needs its key: pass --mesh-key (printed by the first node's 'meshnode serve')")
+	}
+	k, _, err := host.LoadOrCreateMeshKey(cfg.DataDir)
+	return k, err
+}
+
+// join connects to a node of the mesh and joins its gossip.
+func (m *mesh) join(ctx context.Context, addr string) error {
+	cctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	id, err := m.host.Connect(cctx, addr)
+	if err != nil {
+		return fmt.Errorf("joining %s: %w", addr, err)
+	}
+	gaddrs, err := m.host.FetchGossipAddrs(cctx, id)
+	if err != nil {
+		return fmt.Errorf("joining %s: asking for its gossip address: %w", addr, err)
+	}
+	if _, err := m.ml.Join(gaddrs); err != nil {
+		return fmt.Errorf("joining %s's gossip at %v: %w", addr, gaddrs, err)
+	}
+	m.event("join", "joined the mesh through %s", id)
+	return nil
+}
+
+func (m *mesh) close() {
+	m.mu.Lock()
+	remote, local := m.remote, m.local
+	m.remote, m.local, m.pipe = nil, nil, nil
+	m.mu.Unlock()
+	if remote != nil {
+		remote.Close()
+	}
+	if m.grpcSrv != nil {
+		m.grpcSrv.Stop()
+	}
+	if local != nil {
+		local.close()
+	}
+	if m.conns != nil {
+		m.conns.Close()
+	}
+	if m.ml != nil {
+		m.ml.Leave(2 * time.Second)
+		m.ml.Close()
+	}
+	m.host.Close()
+}
+
+func (l *localStage) close() {
+	if l.server != nil {
+		l.server.Close()
+	}
+	if l.engine != nil {
+		l.engine.Close()
+	}
+}
+
+// addLocalModel makes this node the holder of a model file: it is hashed,
+// indexed for peers, and announced.
+func (m *mesh) addLocalModel(path string) (*meshModel, error) {
+	info, err := ggufstage.ReadInfo(path)
+	if err != nil {
+		return nil, err
+	}
+	id, err := ggufstage.ContentHash(path, m.cfg.DataDir, m.cfg.Progress)
+	if err != nil {
+		return nil, err
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	st, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	if err := m.files.Add(id, f, st.Size()); err != nil {
+		f.Close()
+		return nil, err
+	}
+	mm := &meshModel{
+		ref: membership.ModelRef{ID: id, Name: modelName(path), HasFile: true,
+			Split: m.cfg.Split, Context: m.cfg.Context, Parallel: m.cfg.Parallel},
+		info: info, path: path, header: path,
+	}
+	m.mu.Lock()
+	m.model = mm
+	m.meta.Models = []membership.ModelRef{mm.ref}
+	m.mu.Unlock()
+	return mm, nil
+}
+
+// learnModel finds the mesh's model in a peer's announcement and reads its
+// header from that peer.
+func (m *mesh) learnModel(ctx context.Context) (*meshModel, error) {
+	for _, mem := range m.ml.Members() {
+		for _, ref := range mem.Meta.Models {
+			if !ref.HasFile || mem.Meta.PeerID == m.self {
+				continue
+			}
+			src, err := m.openPeer(ctx, mem.Meta.PeerID, ref.ID)
+			if err != nil {
+				m.log.Warn("reading model header from peer", zap.String("peer", mem.Meta.PeerID), zap.Error(err))
+				continue
+			}
+			info, err := ggufstage.ReadInfoFrom(src, src.Size())
+			if err != nil {
+				src.Close()
+				return nil, fmt.Errorf("model %s from %s: %w", ref.Name, mem.Meta.PeerID, err)
+			}
+			header, err := writeHeaderOnly(src, filepath.Join(m.cfg.DataDir, "models"), ref.ID)
+			src.Close()
+			if err != nil {
+				return nil, err
+			}
+			ref.HasFile = false
+			mm := &meshModel{ref: ref, info: info, header: header}
+			m.mu.Lock()
+			m.model = mm
+			m.meta.Models = []membership.ModelRef{ref}
+			m.mu.Unlock()
+			m.event("model", "learned model %s (%s, %d layers) from %s", ref.Name, info.Arch, info.Layers, mem.Meta.PeerID)
+			return mm, nil
+		}
+	}
+	return nil, nil
+}
+
+// writeHeaderOnly keeps a model's metadata as a GGUF with no tensors, so a
+// node that holds no layers can still tokenize and template.
+func writeHeaderOnly(src weights.RangeSource, dir, id string) (string, error) {
+	f, err := gguf.Read(ioSection(src), src.Size())
+	if err != nil {
+		return "", err
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, id[:16]+".header.gguf")
+	out, err := os.Create(path)
+	if err != nil {
+		return "", err
+	}
+	if _, err := gguf.Write(out, f.KVs, nil, f.Alignment); err != nil {
+		out.Close()
+		return "", fmt.Errorf("writing model header: %w", err)
+	}
+	return path, out.Close()
+}
+
+func (m *mesh) openPeer(ctx context.Context, peerID, fileID string) (*weights.PeerSource, error) {
+	pid, err := peer.Decode(peerID)
+	if err != nil {
+		return nil, err
+	}
+	dial := func(ctx context.Context) (weights.Stream, error) {
+		return m.host.LibP2P().NewStream(ctx, pid, RangesProtocol)
+	}
+	return weights.OpenPeer(ctx, fileID, peerID, dial)
+}
+
+// run reconciles the node with the mesh until ctx ends: on every
+// membership change and every second.
+func (m *mesh) run(ctx context.Context) {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	m.reconcile(ctx)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case ev, ok := <-m.ml.Events():
+			if !ok {
+				return
+			}
+			switch ev.Kind {
+			case membership.EventJoin, membership.EventLeave, membership.EventFailed:
+				m.event(string(ev.Kind), "peer %s %s", ev.Member.Meta.PeerID, ev.Kind)
+			}
+			// Let a burst of changes settle before planning.
+			time.Sleep(200 * time.Millisecond)
+		case <-tick.C:
+		}
+		m.reconcile(ctx)
+	}
+}
+
+// planModel describes the model to the planner.
+func planModel(mm *meshModel) planner.Model {
+	per, embed, head, kv := mm.info.Sizes()
+	parallel := max(mm.ref.Parallel, 1)
+	ctxLen := max(mm.ref.Context, 1)
+	return planner.Model{
+		ID: mm.ref.ID, Layers: mm.info.Layers, PerLayerBytes: per,
+		EmbedBytes: embed, HeadBytes: head, KVPerTokenPerLayer: kv,
+		KVTokens: ctxLen * parallel, StageOverhead: 64 << 20,
+		Engines: []string{"ggml"},
+	}
+}
+
+func (m *mesh) reconcile(ctx context.Context) {
+	m.mu.Lock()
+	mm := m.model
+	m.mu.Unlock()
+	if mm == nil {
+		var err error
+		if mm, err = m.learnModel(ctx); err != nil || mm == nil {
+			if err != nil {
+				m.log.Warn("learning the mesh's model", zap.Error(err))
+			}
+			return
+		}
+		m.publish()
+	}
+
+	members := m.ml.Members()
+	var nodes []planner.Node
+	split := false
+	for _, mem := range members {
+		md := mem.Meta
+		if !mem.Complete || md.Engine != "ggml" {
+			continue
+		}
+		n := planner.Node{ID: md.PeerID, Engine: md.Engine, MemBudget: md.MemFree, Speed: md.Speed,
+			Ready: md.State != membership.NodeDraining}
+		for _, p := range md.Pins {
+			if p.Model == mm.ref.ID || p.Model == "" {
+				n.Pin = &planner.Range{Start: p.Start, End: p.End}
+			}
+		}
+		for _, r := range md.Models {
+			if r.ID == mm.ref.ID {
+				n.HasFile = r.HasFile
+				split = split || r.Split
+			}
+		}
+		nodes = append(nodes, n)
+	}
+	plan, err := planner.Place(planModel(mm), nodes, planner.Options{Split: split, Headroom: 0.05})
+	if err != nil {
+		m.setPipe(nil, nil, nil)
+		m.mu.Lock()
+		changed := len(m.plan.Stages) > 0
+		m.plan = planner.Plan{}
+		m.mu.Unlock()
+		if changed {
+			m.event("plan", "no placement: %v", err)
+		}
+		return
+	}
+	m.mu.Lock()
+	old := m.plan
+	m.plan = plan
+	m.mu.Unlock()
+	if plan.String() != old.String() {
+		m.event("plan", "plan for %s: %s", mm.ref.Name, describePlan(plan, members))
+	}
+
+	// Serve our share.
+	want, serving := plan.StageOf(m.self)
+	if err := m.applyStage(ctx, mm, want, serving); err != nil {
+		m.event("error", "loading layers [%d,%d): %v", want.Start, want.End, err)
+		return
+	}
+	m.publish()
+
+	// Run our requests on the plan once every stage of it is up.
+	m.ensurePipeline(ctx, mm, plan, members)
+}
+
+func describePlan(p planner.Plan, members []membership.Member) string {
+	names := map[string]string{}
+	for _, mem := range members {
+		names[mem.Meta.PeerID] = shortID(mem.Meta.PeerID)
+	}
+	s := ""
+	for i, st := range p.Stages {
+		if i > 0 {
+			s += " → "
+		}
+		s += fmt.Sprintf("%s [%d,%d)", names[st.Node], st.Start, st.End)
+	}
+	return s
+}
+
+func shortID(id string) string {
+	if len(id) > 12 {
+		return id[len(id)-6:]
+	}
+	return id
+}
+
+// applyStage loads (or drops) this node's layer range.
+func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage, serving bool) error {
+	m.mu.Lock()
+	cur := m.local
+	m.mu.Unlock()
+	if cur != nil && serving && cur.start == want.Start && cur.end == want.End {
+		return nil
+	}
+	if cur != nil {
+		m.mux.set(nil)
+		m.mu.Lock()
+		m.local = nil
+		if m.pipe != nil && m.remote == nil {
+			m.pipe = nil // a local pipe ran on this engine
+		}
+		m.meta.Serving = nil
+		m.mu.Unlock()
+		cur.close()
+		m.event("unload", "stopped serving layers [%d,%d)", cur.start, cur.end)
+	}
+	if !serving {
+		m.setState(membership.NodeReady)
+		return nil
+	}
+	m.setState(membership.NodeLoading)
+	ls := &localStage{start: want.Start, end: want.End}
+	var err error
+	if mm.path != "" {
+		ls.slice, err = ggufstage.Slice(mm.path, m.cfg.DataDir, want.Start, want.End, m.cfg.Progress)
+	} else {
+		ls.slice, ls.fetched, err = m.fetchSlice(ctx, mm, want.Start, want.End)
+	}
+	if err != nil {
+		return err
+	}
+	ls.engine, err = ggufstage.Open(ls.slice, want.Start, want.End, ggufstage.Options{
+		Threads: m.cfg.Threads, Context: mm.ref.Context, MaxSeqs: max(mm.ref.Parallel, 1),
+		BatchSize: m.cfg.BatchTokens, FlashAttention: m.cfg.FlashAttention, NoRepack: m.cfg.NoRepack,
+		WireDType: m.cfg.WireDType,
+	})
+	if err != nil {
+		return err
+	}
+	ls.server, err = pipeline.NewServer(pipeline.ServerConfig{
+		Engine: ls.engine, Dial: m.dial, ModelID: mm.ref.Name, ModelHash: mm.ref.ID,
+		OnBadPeer: func(p string, err error) { m.event("bad-peer", "peer %s sent a bad frame: %v", p, err) },
+		Logger:    m.log.Named("stage"),
+	})
+	if err != nil {
+		ls.engine.Close()
+		return err
+	}
+	m.mux.set(ls.server)
+	m.mu.Lock()
+	m.local = ls
+	m.meta.Serving = []membership.Serve{{Model: mm.ref.ID, Start: want.Start, End: want.End}}
+	m.mu.Unlock()
+	m.setState(membership.NodeReady)
+	m.event("load", "serving layers [%d,%d) of %s (%s of weights)", want.Start, want.End, mm.ref.Name, humanBytes(ls.engine.WeightBytes()))
+	return nil
+}
+
+// fetchSlice gets a stage's bytes from a peer that holds the model file.
+func (m *mesh) fetchSlice(ctx context.Context, mm *meshModel, start, end int) (string, uint64, error) {
+	var errs []error
+	for _, mem := range m.ml.Members() {
+		for _, ref := range mem.Meta.Models {
+			if ref.ID != mm.ref.ID || !ref.HasFile || mem.Meta.PeerID == m.self {
+				continue
+			}
+			src, err := m.openPeer(ctx, mem.Meta.PeerID, ref.ID)
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			res, err := weights.FetchSliceWith(ctx, src, filepath.Join(m.cfg.DataDir, "slices"), start, end,
+				weights.FetchOptions{Progress: weights.Progress(m.cfg.Progress)})
+			src.Close()
+			if err != nil {
+				errs = append(errs, fmt.Errorf("from %s: %w", mem.Meta.PeerID, err))
+				continue
+			}
+			m.event("fetch", "fetched layers [%d,%d) from %s: %s", start, end, shortID(mem.Meta.PeerID), humanBytes(res.Fetched))
+			return res.Path, res.Fetched, nil
+		}
+	}
+	if len(errs) == 0 {
+		return "", 0, errors.New("no peer holds the model file")
+	}
+	return "", 0, errors.Join(errs...)
+}
+
+// ensurePipeline builds the pipeline for this node's requests when the
+// plan's stages are all up, and keeps it while the plan stands.
+func (m *mesh) ensurePipeline(ctx context.Context, mm *meshModel, plan planner.Plan, members []membership.Member) {
+	route := make([]pipeline.Hop, len(plan.Stages))
+	for i, st := range plan.Stages {
+		route[i] = pipeline.Hop{Peer: st.Node, Start: st.Start, End: st.End}
+	}
+	m.mu.Lock()
+	same := slices.Equal(route, m.route) && m.pipe != nil && (m.remote == nil || m.remote.Err() == nil)
+	local := m.local
+	m.mu.Unlock()
+	if same {
+		return
+	}
+	serving := map[string]bool{}
+	for _, mem := range members {
+		if mem.Meta.State != membership.NodeReady {
+			continue
+		}
+		for _, s := range mem.Meta.Serving {
+			if s.Model == mm.ref.ID {
+				serving[fmt.Sprintf("%s %d %d", mem.Meta.PeerID, s.Start, s.End)] = true
+			}
+		}
+	}
+	for _, h := range route {
+		if h.Peer == m.self {
+			continue // our own stage is up: applyStage just ran
+		}
+		if !serving[fmt.Sprintf("%s %d %d", h.Peer, h.Start, h.End)] {
+			m.setPipe(nil, nil, nil)
+			return // not yet: the next reconcile looks again
+		}
+	}
+	// A whole model on this node runs in process: no hop at all.
+	if len(route) == 1 && route[0].Peer == m.self && local != nil {
+		m.setPipe(route, scheduler.Local(local.engine), nil)
+		m.event("pipeline", "requests run locally on layers [0,%d)", mm.info.Layers)
+		return
+	}
+	pctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	p, err := pipeline.New(pctx, pipeline.Config{
+		Route: route, Dial: m.dial, Origin: m.self, WireDType: m.cfg.WireDType, ModelHash: mm.ref.ID,
+		StepTimeout: 30 * time.Second, Logger: m.log.Named("pipeline"),
+		OnBadPeer: func(p string, err error) { m.event("bad-peer", "peer %s sent a bad frame: %v", p, err) },
+	})
+	if err != nil {
+		m.setPipe(nil, nil, nil)
+		m.event("error", "building the pipeline %v: %v", route, err)
+		return
+	}
+	m.setPipe(route, p, p)
+	m.event("pipeline", "requests run on %d stages", len(route))
+}
+
+func (m *mesh) setPipe(route []pipeline.Hop, p scheduler.Pipeline, remote *pipeline.Pipeline) {
+	m.mu.Lock()
+	old := m.remote
+	m.route, m.pipe, m.remote = route, p, remote
+	m.mu.Unlock()
+	if old != nil && old != remote {
+		old.Close()
+	}
+}
+
+func (m *mesh) setState(state string) {
+	m.mu.Lock()
+	m.meta.State = state
+	m.mu.Unlock()
+	m.publish()
+}
+
+func (m *mesh) publish() {
+	m.mu.Lock()
+	meta := m.meta
+	m.mu.Unlock()
+	if err := m.ml.UpdateMeta(meta); err != nil {
+		m.log.Warn("publishing metadata", zap.Error(err))
+	}
+}
+
+// current is what a request runs on now.
+func (m *mesh) current() scheduler.Pipeline {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.pipe
+}
+
+// stageMux is the StageService a node registers once; the stage behind it
+// changes when the plan does.
+type stageMux struct {
+	meshnodev1.UnimplementedStageServiceServer
+	mu  sync.RWMutex
+	srv *pipeline.Server
+}
+
+func (s *stageMux) set(srv *pipeline.Server) {
+	s.mu.Lock()
+	s.srv = srv
+	s.mu.Unlock()
+}
+
+func (s *stageMux) get() (*pipeline.Server, error) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	if s.srv == nil {
+		return nil, status.Error(codes.Unavailable, "this node serves no stage right now")
+	}
+	return s.srv, nil
+}
+
+func (s *stageMux) Forward(stream meshnodev1.StageService_ForwardServer) error {
+	srv, err := s.get()
+	if err != nil {
+		return err
+	}
+	return srv.Forward(stream)
+}
+
+func (s *stageMux) Info(ctx context.Context, req *meshnodev1.InfoRequest) (*meshnodev1.StageInfo, error) {
+	srv, err := s.get()
+	if err != nil {
+		return nil, err
+	}
+	return srv.Info(ctx, req)
+}
+
+// meshPipe is the scheduler's view of the mesh: whatever pipeline is
+// current when a sequence opens runs it to the end. A replan breaks the
+// sequences still on the old pipeline (they fail; surviving that is the
+// reliability layer's job).
+type meshPipe struct {
+	m    *mesh
+	info stage.Info
+	mu   sync.Mutex
+	seqs map[stage.SeqID]scheduler.Pipeline
+}
+
+var errNoPipeline = errors.New("the mesh has no complete pipeline for this model yet")
+
+func (p *meshPipe) Info() stage.Info { return p.info }
+
+func (p *meshPipe) Open(seq stage.SeqID, sp sample.Params, prompt []int32) error {
+	cur := p.m.current()
+	if cur == nil {
+		return errNoPipeline
+	}
+	if err := cur.Open(seq, sp, prompt); err != nil {
+		return err
+	}
+	p.mu.Lock()
+	p.seqs[seq] = cur
+	p.mu.Unlock()
+	return nil
+}
+
+func (p *meshPipe) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
+	p.mu.Lock()
+	var pipe scheduler.Pipeline
+	for _, s := range b.Seqs {
+		q, ok := p.seqs[s]
+		if !ok {
+			p.mu.Unlock()
+			return nil, fmt.Errorf("%w: %d", stage.ErrUnknownSeq, s)
+		}
+		if pipe == nil {
+			pipe = q
+		} else if pipe != q {
+			p.mu.Unlock()
+			return nil, errors.New("pipeline changed under running sequences")
+		}
+	}
+	p.mu.Unlock()
+	if pipe != p.m.current() {
+		return nil, errors.New("pipeline changed under running sequences (replanned)")
+	}
+	return pipe.Forward(ctx, b)
+}
+
+func (p *meshPipe) Release(seq stage.SeqID) error {
+	p.mu.Lock()
+	pipe := p.seqs[seq]
+	delete(p.seqs, seq)
+	p.mu.Unlock()
+	if pipe == nil {
+		return nil
+	}
+	return pipe.Release(seq)
+}
+
+// sortedMembers is members by peer ID, for stable output.
+func sortedMembers(ms []membership.Member) []membership.Member {
+	sort.Slice(ms, func(i, j int) bool { return ms[i].Meta.PeerID < ms[j].Meta.PeerID })
+	return ms
+}
+
+func humanBytes(n uint64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%d B", n)
+	}
+	div, exp := uint64(unit), 0
+	for v := n / unit; v >= unit; v /= unit {
+		div *= unit
+		exp++
+	}
+	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}
+
+func ioSection(src weights.RangeSource) *io.SectionReader { return io.NewSectionReader(src, 0, src.Size()) }
