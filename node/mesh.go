@@ -788,4 +788,6 @@ func humanBytes(n uint64) string {
 	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
 }
 
-func ioSection(src weights.RangeSource) *io.SectionReader { return io.NewSectionReader(src, 0, src.Size()) }
+func ioSection(src weights.RangeSource) *io.SectionReader {
+	return io.NewSectionReader(src, 0, src.Size())
+}

@@ -8,9 +8,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"sync"
-	"math/rand/v2"
 	"sync/atomic"
 	"time"
 

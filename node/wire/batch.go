@@ -13,8 +13,10 @@ import (
 // output rows and hidden states, converting the hidden states to dtype when
 // they are held in another one. Which dtype to send (f16 in the default
 // configuration) is the caller's choice, usually the receiver's
-// StageInfo.wire_dtype. The frame aliases b.Pos, and b.Hidden.Data when no
-// conversion is needed.
+// StageInfo.wire_dtype. b.Tokens, when set, travel along as the rows' token
+// ids (a pipeline's last stage keeps them as each sequence's history). The
+// frame aliases b.Pos and b.Tokens, and b.Hidden.Data when no conversion is
+// needed.
 func EncodeBatch(step uint64, b *stage.Batch, dtype stage.DType) (*meshnodev1.Frame, error) {
 	if b == nil {
 		return nil, badBatch("nil batch")
@@ -35,6 +37,16 @@ func EncodeBatch(step uint64, b *stage.Batch, dtype stage.DType) (*meshnodev1.Fr
 	if h.Rows != len(b.Seqs) {
 		return nil, badBatch("hidden states have %d rows for %d sequence ids", h.Rows, len(b.Seqs))
 	}
+	if len(b.Tokens) != 0 {
+		if len(b.Tokens) != len(b.Seqs) {
+			return nil, badBatch("%d rows but %d token ids", len(b.Seqs), len(b.Tokens))
+		}
+		for r, t := range b.Tokens {
+			if t < 0 {
+				return nil, badBatch("row %d has negative token id %d", r, t)
+			}
+		}
+	}
 	payload := h.Data
 	if h.DType != dtype {
 		var err error
@@ -53,13 +65,24 @@ func EncodeBatch(step uint64, b *stage.Batch, dtype stage.DType) (*meshnodev1.Fr
 			Cols:       uint32(h.Cols),
 			Payload:    payload,
 			OutputRows: outputsToProto(b.Outputs),
+			TokenIds:   tokensOrNil(b.Tokens),
 		}},
 	}, nil
 }
 
+func tokensOrNil(t []int32) []int32 {
+	if len(t) == 0 {
+		return nil
+	}
+	return t
+}
+
 // DecodeBatch validates an activations frame against lim and returns it as
 // a batch for a stage that does not own layer 0. Hidden keeps the wire
-// dtype; Hidden.Data and Pos alias the frame.
+// dtype; Tokens holds the rows' token ids when the frame carries them (nil
+// otherwise). Hidden.Data, Pos and Tokens alias the frame. The frame's more
+// flag is the caller's business: it says a batch was split, not what a part
+// holds.
 func DecodeBatch(f *meshnodev1.Frame, lim Limits) (*stage.Batch, error) {
 	if err := checkFrame(f); err != nil {
 		return nil, err
@@ -101,9 +124,17 @@ func decodeActivations(a *meshnodev1.Activations, lim Limits) (*stage.Batch, err
 	if err := checkRows(int(rows), len(a.GetSeqIds()), a.GetPositions(), a.GetOutputRows()); err != nil {
 		return nil, err
 	}
+	ids := a.GetTokenIds()
+	if len(ids) != 0 && len(ids) != int(rows) {
+		return nil, fmt.Errorf("%d rows but %d token ids", rows, len(ids))
+	}
+	if err := checkTokenIDs(ids, lim.MaxVocab); err != nil {
+		return nil, err
+	}
 	return &stage.Batch{
-		Seqs: seqsFromProto(a.GetSeqIds()),
-		Pos:  a.GetPositions(),
+		Seqs:   seqsFromProto(a.GetSeqIds()),
+		Pos:    a.GetPositions(),
+		Tokens: tokensOrNil(ids),
 		Hidden: &stage.Activation{
 			DType: dt,
 			Rows:  int(rows),
@@ -178,10 +209,8 @@ func decodeTokens(t *meshnodev1.Tokens, lim Limits) (*stage.Batch, error) {
 	if len(ids) != rows {
 		return nil, fmt.Errorf("%d rows but %d token ids", rows, len(ids))
 	}
-	for r, id := range ids {
-		if id < 0 || int64(id) >= int64(lim.MaxVocab) {
-			return nil, fmt.Errorf("row %d token id %d outside [0,%d)", r, id, lim.MaxVocab)
-		}
+	if err := checkTokenIDs(ids, lim.MaxVocab); err != nil {
+		return nil, err
 	}
 	return &stage.Batch{
 		Seqs:    seqsFromProto(t.GetSeqIds()),
@@ -214,4 +243,84 @@ func convert(data []byte, from, to stage.DType) ([]byte, error) {
 		}
 	}
 	return dst, nil
+}
+
+// Sampled is a last stage's answer to one step: the token sampled for each
+// output row of the step, in the step's order. Pos is the position each
+// token will take (its row's position + 1). A step without output rows is
+// answered with no rows.
+type Sampled struct {
+	Seqs   []stage.SeqID
+	Pos    []int32
+	Tokens []int32
+}
+
+// Rows is the number of sampled tokens.
+func (s *Sampled) Rows() int { return len(s.Seqs) }
+
+// EncodeSampled builds the tokens frame that answers step with s. Unlike
+// EncodeTokens it accepts zero rows. The frame aliases s.Pos and s.Tokens.
+func EncodeSampled(step uint64, s *Sampled) (*meshnodev1.Frame, error) {
+	if s == nil {
+		return nil, badBatch("nil sampled tokens")
+	}
+	n := len(s.Seqs)
+	if len(s.Pos) != n || len(s.Tokens) != n {
+		return nil, badBatch("%d sequence ids, %d positions, %d token ids", n, len(s.Pos), len(s.Tokens))
+	}
+	if uint64(n) > math.MaxUint32 {
+		return nil, badBatch("%d rows do not fit the wire", n)
+	}
+	for r := range n {
+		if s.Pos[r] < 0 || s.Tokens[r] < 0 {
+			return nil, badBatch("row %d has position %d, token id %d", r, s.Pos[r], s.Tokens[r])
+		}
+	}
+	return &meshnodev1.Frame{
+		Version: Version,
+		Step:    step,
+		Body: &meshnodev1.Frame_Tokens{Tokens: &meshnodev1.Tokens{
+			SeqIds:    seqsToProto(s.Seqs),
+			Positions: tokensOrNil(s.Pos),
+			TokenIds:  tokensOrNil(s.Tokens),
+		}},
+	}, nil
+}
+
+// DecodeSampled validates a tokens frame sent back by a last stage: any
+// number of rows up to lim.MaxRows, no output rows, token ids below
+// lim.MaxVocab. Pos and Tokens alias the frame.
+func DecodeSampled(f *meshnodev1.Frame, lim Limits) (*Sampled, error) {
+	if err := checkFrame(f); err != nil {
+		return nil, err
+	}
+	t := f.GetTokens()
+	if t == nil {
+		return nil, wrongBody(f, "tokens")
+	}
+	lim = lim.resolved()
+	check := func() error {
+		rows := len(t.GetSeqIds())
+		if rows > lim.MaxRows {
+			return fmt.Errorf("%d rows, over the limit of %d", rows, lim.MaxRows)
+		}
+		if len(t.GetOutputRows()) != 0 {
+			return errors.New("sampled tokens carry output rows")
+		}
+		if err := checkRows(rows, rows, t.GetPositions(), nil); err != nil {
+			return err
+		}
+		if len(t.GetTokenIds()) != rows {
+			return fmt.Errorf("%d rows but %d token ids", rows, len(t.GetTokenIds()))
+		}
+		return checkTokenIDs(t.GetTokenIds(), lim.MaxVocab)
+	}
+	if err := check(); err != nil {
+		return nil, frameErr(f, "sampled tokens", err)
+	}
+	return &Sampled{
+		Seqs:   seqsFromProto(t.GetSeqIds()),
+		Pos:    t.GetPositions(),
+		Tokens: t.GetTokenIds(),
+	}, nil
 }

@@ -41,6 +41,9 @@ type Control struct {
 	// Sampling configures the last stage's sampler; OpOpen only, nil means
 	// greedy.
 	Sampling *Sampling
+	// History holds the tokens the sequence already has at positions
+	// [0, len), for the last stage's repetition penalties; OpOpen only.
+	History []int32
 }
 
 // Sampling configures how the last stage samples one sequence.
@@ -50,6 +53,11 @@ type Sampling struct {
 	TopP        float32 // 0 or 1 keeps all
 	MinP        float32 // 0 keeps all
 	Seed        uint64
+
+	RepeatPenalty    float32 // 0 or 1 is off
+	RepeatLastN      int     // 0 is the default window, -1 the whole history
+	FrequencyPenalty float32 // [-2, 2]
+	PresencePenalty  float32 // [-2, 2]
 }
 
 func (s *Sampling) check(maxVocab int) error {
@@ -63,13 +71,22 @@ func (s *Sampling) check(maxVocab int) error {
 		return fmt.Errorf("sampling top_p %v outside [0,1]", s.TopP)
 	case !finite(s.MinP) || s.MinP < 0 || s.MinP > 1:
 		return fmt.Errorf("sampling min_p %v outside [0,1]", s.MinP)
+	case !finite(s.RepeatPenalty) || s.RepeatPenalty < 0:
+		return fmt.Errorf("sampling repeat_penalty %v is not a finite value >= 0", s.RepeatPenalty)
+	case s.RepeatLastN < -1 || s.RepeatLastN > math.MaxInt32:
+		return fmt.Errorf("sampling repeat_last_n %d outside [-1,%d]", s.RepeatLastN, math.MaxInt32)
+	case !finite(s.FrequencyPenalty) || s.FrequencyPenalty < -2 || s.FrequencyPenalty > 2:
+		return fmt.Errorf("sampling frequency_penalty %v outside [-2,2]", s.FrequencyPenalty)
+	case !finite(s.PresencePenalty) || s.PresencePenalty < -2 || s.PresencePenalty > 2:
+		return fmt.Errorf("sampling presence_penalty %v outside [-2,2]", s.PresencePenalty)
 	}
 	return nil
 }
 
 // check validates the fields that each op uses and rejects the ones it
 // does not, so that a confused peer is caught rather than half-obeyed.
-func (c Control) check(maxVocab int) error {
+func (c Control) check(lim Limits) error {
+	maxVocab := lim.MaxVocab
 	switch c.Op {
 	case OpOpen, OpTrim, OpRelease:
 	default:
@@ -89,6 +106,17 @@ func (c Control) check(maxVocab int) error {
 			return err
 		}
 	}
+	if len(c.History) != 0 {
+		if c.Op != OpOpen {
+			return fmt.Errorf("%s carries history; only open does", c.Op)
+		}
+		if len(c.History) > lim.MaxHistory {
+			return fmt.Errorf("history of %d tokens, over the limit of %d", len(c.History), lim.MaxHistory)
+		}
+		if err := checkTokenIDs(c.History, maxVocab); err != nil {
+			return fmt.Errorf("history: %w", err)
+		}
+	}
 	return nil
 }
 
@@ -100,21 +128,26 @@ var opToProto = map[Op]meshnodev1.SeqControl_Op{
 
 // EncodeControl builds a control frame.
 func EncodeControl(step uint64, c Control) (*meshnodev1.Frame, error) {
-	if err := c.check(DefaultMaxVocab); err != nil {
+	if err := c.check(DefaultLimits()); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrBadBatch, err)
 	}
 	sc := &meshnodev1.SeqControl{
 		Op:       opToProto[c.Op],
 		SeqId:    uint64(c.Seq),
 		Position: c.Pos,
+		History:  tokensOrNil(c.History),
 	}
 	if s := c.Sampling; s != nil {
 		sc.Sampling = &meshnodev1.Sampling{
-			Temperature: s.Temperature,
-			TopK:        uint32(s.TopK),
-			TopP:        s.TopP,
-			MinP:        s.MinP,
-			Seed:        s.Seed,
+			Temperature:      s.Temperature,
+			TopK:             uint32(s.TopK),
+			TopP:             s.TopP,
+			MinP:             s.MinP,
+			Seed:             s.Seed,
+			RepeatPenalty:    s.RepeatPenalty,
+			RepeatLastN:      int32(s.RepeatLastN),
+			FrequencyPenalty: s.FrequencyPenalty,
+			PresencePenalty:  s.PresencePenalty,
 		}
 	}
 	return &meshnodev1.Frame{
@@ -125,6 +158,7 @@ func EncodeControl(step uint64, c Control) (*meshnodev1.Frame, error) {
 }
 
 // DecodeControl validates a control frame and returns its operation.
+// History aliases the frame.
 func DecodeControl(f *meshnodev1.Frame, lim Limits) (Control, error) {
 	if err := checkFrame(f); err != nil {
 		return Control{}, err
@@ -134,7 +168,7 @@ func DecodeControl(f *meshnodev1.Frame, lim Limits) (Control, error) {
 		return Control{}, wrongBody(f, "control")
 	}
 	lim = lim.resolved()
-	c := Control{Seq: stage.SeqID(sc.GetSeqId()), Pos: sc.GetPosition()}
+	c := Control{Seq: stage.SeqID(sc.GetSeqId()), Pos: sc.GetPosition(), History: tokensOrNil(sc.GetHistory())}
 	switch sc.GetOp() {
 	case meshnodev1.SeqControl_OP_OPEN:
 		c.Op = OpOpen
@@ -152,14 +186,18 @@ func DecodeControl(f *meshnodev1.Frame, lim Limits) (Control, error) {
 			return Control{}, frameErr(f, "control", fmt.Errorf("sampling top_k %d over the limit of %d", s.GetTopK(), lim.MaxVocab))
 		}
 		c.Sampling = &Sampling{
-			Temperature: s.GetTemperature(),
-			TopK:        int(s.GetTopK()),
-			TopP:        s.GetTopP(),
-			MinP:        s.GetMinP(),
-			Seed:        s.GetSeed(),
+			Temperature:      s.GetTemperature(),
+			TopK:             int(s.GetTopK()),
+			TopP:             s.GetTopP(),
+			MinP:             s.GetMinP(),
+			Seed:             s.GetSeed(),
+			RepeatPenalty:    s.GetRepeatPenalty(),
+			RepeatLastN:      int(s.GetRepeatLastN()),
+			FrequencyPenalty: s.GetFrequencyPenalty(),
+			PresencePenalty:  s.GetPresencePenalty(),
 		}
 	}
-	if err := c.check(lim.MaxVocab); err != nil {
+	if err := c.check(lim); err != nil {
 		return Control{}, frameErr(f, "control", err)
 	}
 	return c, nil
@@ -183,6 +221,10 @@ type RemoteError struct {
 	Step    uint64
 	Code    meshnodev1.Error_Code
 	Message string
+	// Hop is the index in the pipeline's route of the stage the error is
+	// about, or -1 when the frame does not say. DecodeError sets it;
+	// EncodeError ignores it (EncodeHopError sets the frame's).
+	Hop int
 }
 
 func (e *RemoteError) Error() string {
@@ -251,6 +293,28 @@ func EncodeError(step uint64, err error) *meshnodev1.Frame {
 	}
 }
 
+// EncodeHopError is EncodeError naming the hop, an index in the
+// pipeline's route, that the error is about; hop < 0 names none.
+func EncodeHopError(step uint64, hop int, err error) *meshnodev1.Frame {
+	f := EncodeError(step, err)
+	if hop >= 0 && hop < MaxRouteHops {
+		h := uint32(hop)
+		f.GetError().Hop = &h
+	}
+	return f
+}
+
+// Fatal reports whether an error with this code ends the stream it
+// travels on (and so the pipeline): every code but those that only fail
+// one step (ENGINE, NO_SLOT, SEQ_EXISTS).
+func Fatal(code meshnodev1.Error_Code) bool {
+	switch code {
+	case meshnodev1.Error_CODE_ENGINE, meshnodev1.Error_CODE_NO_SLOT, meshnodev1.Error_CODE_SEQ_EXISTS:
+		return false
+	}
+	return true
+}
+
 // DecodeError returns the error that an error frame reports. Codes newer
 // than this code are kept as they are: an error is an error.
 func DecodeError(f *meshnodev1.Frame) (*RemoteError, error) {
@@ -261,10 +325,18 @@ func DecodeError(f *meshnodev1.Frame) (*RemoteError, error) {
 	if e == nil {
 		return nil, wrongBody(f, "error")
 	}
+	hop := -1
+	if e.Hop != nil {
+		if e.GetHop() >= MaxRouteHops {
+			return nil, fmt.Errorf("%w: step %d error names hop %d, beyond the %d a route may have", ErrBadFrame, f.GetStep(), e.GetHop(), MaxRouteHops)
+		}
+		hop = int(e.GetHop())
+	}
 	return &RemoteError{
 		Step:    f.GetStep(),
 		Code:    e.GetCode(),
 		Message: truncate(e.GetMessage(), MaxErrorMessage),
+		Hop:     hop,
 	}, nil
 }
 

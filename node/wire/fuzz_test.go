@@ -55,6 +55,22 @@ func fuzzSeeds(t testing.TB) map[string][]byte {
 	add("valid-error", EncodeError(6, stage.ErrNoSlot), nil)
 	f, err = EncodeLogits(7, 1, 4, []float32{0, 1, 2, 3})
 	add("valid-logits", f, err)
+	f, err = EncodeSetup(Setup{
+		Role: RoleForward, PipelineID: "p1", Origin: "o", Hop: 1, WireDType: stage.F16,
+		Route: []Hop{{Peer: "a", Start: 0, End: 2}, {Peer: "b", Start: 2, End: 5, MaxFrameBytes: 1 << 20}},
+	})
+	add("valid-setup", f, err)
+	f, err = EncodeSampled(9, &Sampled{Seqs: []stage.SeqID{1, 2}, Pos: []int32{5, 9}, Tokens: []int32{3, 4}})
+	add("valid-sampled", f, err)
+	f, err = EncodeControl(10, Control{Op: OpOpen, Seq: 3, History: []int32{1, 2, 3}, Sampling: &Sampling{RepeatPenalty: 1.1, RepeatLastN: -1}})
+	add("valid-control-history", f, err)
+	add("valid-hop-error", EncodeHopError(11, 2, stage.ErrNoSlot), nil)
+	tb := &stage.Batch{Seqs: b.Seqs, Pos: b.Pos, Tokens: []int32{7, 8}, Hidden: h, Outputs: b.Outputs}
+	f, err = EncodeBatch(12, tb, stage.F16)
+	if err == nil {
+		f.GetActivations().More = true
+	}
+	add("valid-activations-tokens-more", f, err)
 
 	broken := func(name string, edit func(a *meshnodev1.Activations, f *meshnodev1.Frame)) {
 		f, err := EncodeBatch(8, b, stage.F16)
@@ -125,6 +141,20 @@ func FuzzDecodeFrame(f *testing.F) {
 			if _, err := DecodeError(&fr); err != nil {
 				mustBeBad(t, err)
 			}
+			if s, err := DecodeSetup(&fr); err == nil {
+				if _, err := EncodeSetup(s); err != nil {
+					t.Fatalf("decoded setup %+v does not encode: %v", s, err)
+				}
+			} else {
+				mustBeBad(t, err)
+			}
+			if s, err := DecodeSampled(&fr, lim); err == nil {
+				if _, err := EncodeSampled(fr.GetStep(), s); err != nil {
+					t.Fatalf("decoded sampled tokens %+v do not encode: %v", s, err)
+				}
+			} else {
+				mustBeBad(t, err)
+			}
 		}
 	})
 }
@@ -159,7 +189,7 @@ func fuzzBatch(t *testing.T, fr *meshnodev1.Frame, lim Limits) {
 		t.Fatalf("re-encoded batch does not decode: %v", err)
 	}
 	if !slices.Equal(b.Seqs, b2.Seqs) || !slices.Equal(b.Pos, b2.Pos) || !slices.Equal(b.Outputs, b2.Outputs) ||
-		string(b.Hidden.Data) != string(b2.Hidden.Data) {
+		!slices.Equal(b.Tokens, b2.Tokens) || string(b.Hidden.Data) != string(b2.Hidden.Data) {
 		t.Fatal("batch changed on a re-encode")
 	}
 }

@@ -34,10 +34,11 @@ func DialOptions() []grpc.DialOption {
 
 // Worst-case protobuf overhead of an activations frame: fixed fields and
 // length prefixes, then per row a seq id (10-byte varint), a position
-// (5 bytes, non-negative int32) and an output row (5 bytes).
+// (5 bytes, non-negative int32), an output row (5 bytes) and a token id
+// (5 bytes, non-negative int32).
 const (
 	frameOverhead = 128
-	rowOverhead   = 10 + 5 + 5
+	rowOverhead   = 10 + 5 + 5 + 5
 )
 
 // RowsPerFrame returns the most rows of cols columns in dtype that fit one

@@ -253,7 +253,9 @@ func TestRowsPerFrame(t *testing.T) {
 			a.SeqIds = append(a.SeqIds, math.MaxUint64)
 			a.Positions = append(a.Positions, math.MaxInt32)
 			a.OutputRows = append(a.OutputRows, math.MaxUint32-uint32(rows)+uint32(r))
+			a.TokenIds = append(a.TokenIds, math.MaxInt32)
 		}
+		a.More = true
 		f := &meshnodev1.Frame{Version: math.MaxUint32, Step: math.MaxUint64, Body: &meshnodev1.Frame_Activations{Activations: a}}
 		if size := proto.Size(f); size > maxFrame {
 			t.Fatalf("%+v: %d rows make a %d-byte frame, over %d", tc, rows, size, maxFrame)

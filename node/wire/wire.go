@@ -45,6 +45,7 @@ const (
 	DefaultMaxCols    = 1 << 16 // n_embd
 	DefaultMaxVocab   = 1 << 20 // vocabulary size
 	DefaultMaxPayload = stage.MaxActivationBytes
+	DefaultMaxHistory = 1 << 20 // tokens of history an OPEN may carry
 )
 
 // Limits bound what a decoded frame may hold. A zero or negative field
@@ -54,6 +55,7 @@ type Limits struct {
 	MaxCols    int // columns (n_embd) of an activation
 	MaxVocab   int // token ids must be below it; logits width
 	MaxPayload int // bytes of an activation or logits payload
+	MaxHistory int // tokens of history in an OPEN control
 }
 
 // DefaultLimits returns the limits used for zero fields.
@@ -63,6 +65,7 @@ func DefaultLimits() Limits {
 		MaxCols:    DefaultMaxCols,
 		MaxVocab:   DefaultMaxVocab,
 		MaxPayload: DefaultMaxPayload,
+		MaxHistory: DefaultMaxHistory,
 	}
 }
 
@@ -81,6 +84,9 @@ func (l Limits) resolved() Limits {
 	}
 	if l.MaxPayload <= 0 || l.MaxPayload > stage.MaxActivationBytes {
 		l.MaxPayload = stage.MaxActivationBytes
+	}
+	if l.MaxHistory <= 0 {
+		l.MaxHistory = d.MaxHistory
 	}
 	return l
 }
@@ -107,8 +113,8 @@ func checkFrame(f *meshnodev1.Frame) error {
 }
 
 // BodyKind names a frame's body for errors and logs: "activations",
-// "tokens", "logits", "control", "error", or "empty" when none is set
-// (also what a body kind newer than this code looks like).
+// "tokens", "logits", "control", "error", "setup", or "empty" when none is
+// set (also what a body kind newer than this code looks like).
 func BodyKind(f *meshnodev1.Frame) string {
 	switch f.GetBody().(type) {
 	case *meshnodev1.Frame_Activations:
@@ -121,6 +127,8 @@ func BodyKind(f *meshnodev1.Frame) string {
 		return "control"
 	case *meshnodev1.Frame_Error:
 		return "error"
+	case *meshnodev1.Frame_Setup:
+		return "setup"
 	}
 	return "empty"
 }
@@ -204,6 +212,16 @@ func checkOutputs(rows int, outputs []uint32) error {
 		}
 		if i > 0 && o <= outputs[i-1] {
 			return fmt.Errorf("output rows not strictly ascending at %d: %d after %d", i, o, outputs[i-1])
+		}
+	}
+	return nil
+}
+
+// checkTokenIDs validates token ids from a peer: each in [0, maxVocab).
+func checkTokenIDs(ids []int32, maxVocab int) error {
+	for r, id := range ids {
+		if id < 0 || int64(id) >= int64(maxVocab) {
+			return fmt.Errorf("row %d token id %d outside [0,%d)", r, id, maxVocab)
 		}
 	}
 	return nil

@@ -4,7 +4,28 @@
 // model's transformer layers. Work flows through it as Frames on
 // StageService.Forward streams: the first stage takes token ids, every later
 // stage takes the previous stage's hidden states, and the last stage samples
-// and sends the chosen token ids back to the first stage (never logits).
+// and sends the chosen token ids straight back to the pipeline's origin (the
+// node that drives it), never logits and never back through the middle.
+//
+// Streams of a pipeline. The origin picks a pipeline id and an ordered route
+// of hops covering the model's layers, then opens two streams:
+//   - a forward stream to hop 0, whose first frame is a Setup with role
+//     FORWARD. Each stage that is not last opens a forward stream of its own
+//     to the next hop and passes the Setup on (hop index + 1), so the route
+//     is one chain of streams: origin -> hop 0 -> hop 1 -> ... -> last.
+//     Down such a stream go work (Tokens into hop 0, Activations after it),
+//     SeqControl, and Error frames that stand in for a step that failed
+//     further up, so that every step keeps its place in the order. Up such a
+//     stream come only fatal errors: an Error frame, after which the stream
+//     closes (see Error).
+//   - a return stream to the last hop, whose first (and only) frame is a
+//     Setup with role RETURN. Up it comes exactly one reply per frame the
+//     origin sent down, in the order sent: the Setup echoed once the whole
+//     route is ready, a SeqControl echoed once every stage applied it,
+//     sampled Tokens (preceded by Logits when the Setup asked for them), or
+//     the Error that replaced the step. Its end ends the pipeline.
+// Whatever ends one stream of a route ends the rest: every stage releases
+// the pipeline's sequences when its forward stream ends.
 //
 // Compatibility rules for this file (checked by `buf breaking`):
 //   - never renumber or reuse a field number, enum value or oneof member;
@@ -97,6 +118,58 @@ func (DType) EnumDescriptor() ([]byte, []int) {
 	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{0}
 }
 
+type Setup_Role int32
+
+const (
+	Setup_ROLE_UNSPECIFIED Setup_Role = 0
+	// The stream carries the pipeline's work into the receiving stage.
+	Setup_ROLE_FORWARD Setup_Role = 1
+	// The origin's subscription to the last stage's replies; the receiving
+	// stage must be the route's last hop.
+	Setup_ROLE_RETURN Setup_Role = 2
+)
+
+// Enum value maps for Setup_Role.
+var (
+	Setup_Role_name = map[int32]string{
+		0: "ROLE_UNSPECIFIED",
+		1: "ROLE_FORWARD",
+		2: "ROLE_RETURN",
+	}
+	Setup_Role_value = map[string]int32{
+		"ROLE_UNSPECIFIED": 0,
+		"ROLE_FORWARD":     1,
+		"ROLE_RETURN":      2,
+	}
+)
+
+func (x Setup_Role) Enum() *Setup_Role {
+	p := new(Setup_Role)
+	*p = x
+	return p
+}
+
+func (x Setup_Role) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (Setup_Role) Descriptor() protoreflect.EnumDescriptor {
+	return file_meshnode_v1_stage_proto_enumTypes[1].Descriptor()
+}
+
+func (Setup_Role) Type() protoreflect.EnumType {
+	return &file_meshnode_v1_stage_proto_enumTypes[1]
+}
+
+func (x Setup_Role) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use Setup_Role.Descriptor instead.
+func (Setup_Role) EnumDescriptor() ([]byte, []int) {
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{1, 0}
+}
+
 type SeqControl_Op int32
 
 const (
@@ -136,11 +209,11 @@ func (x SeqControl_Op) String() string {
 }
 
 func (SeqControl_Op) Descriptor() protoreflect.EnumDescriptor {
-	return file_meshnode_v1_stage_proto_enumTypes[1].Descriptor()
+	return file_meshnode_v1_stage_proto_enumTypes[2].Descriptor()
 }
 
 func (SeqControl_Op) Type() protoreflect.EnumType {
-	return &file_meshnode_v1_stage_proto_enumTypes[1]
+	return &file_meshnode_v1_stage_proto_enumTypes[2]
 }
 
 func (x SeqControl_Op) Number() protoreflect.EnumNumber {
@@ -149,7 +222,7 @@ func (x SeqControl_Op) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use SeqControl_Op.Descriptor instead.
 func (SeqControl_Op) EnumDescriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{4, 0}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{6, 0}
 }
 
 type Error_Code int32
@@ -208,11 +281,11 @@ func (x Error_Code) String() string {
 }
 
 func (Error_Code) Descriptor() protoreflect.EnumDescriptor {
-	return file_meshnode_v1_stage_proto_enumTypes[2].Descriptor()
+	return file_meshnode_v1_stage_proto_enumTypes[3].Descriptor()
 }
 
 func (Error_Code) Type() protoreflect.EnumType {
-	return &file_meshnode_v1_stage_proto_enumTypes[2]
+	return &file_meshnode_v1_stage_proto_enumTypes[3]
 }
 
 func (x Error_Code) Number() protoreflect.EnumNumber {
@@ -221,7 +294,7 @@ func (x Error_Code) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Error_Code.Descriptor instead.
 func (Error_Code) EnumDescriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{6, 0}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{8, 0}
 }
 
 // Frame is the unit of a Forward stream.
@@ -243,6 +316,7 @@ type Frame struct {
 	//	*Frame_Logits
 	//	*Frame_Control
 	//	*Frame_Error
+	//	*Frame_Setup
 	Body          isFrame_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -344,6 +418,15 @@ func (x *Frame) GetError() *Error {
 	return nil
 }
 
+func (x *Frame) GetSetup() *Setup {
+	if x != nil {
+		if x, ok := x.Body.(*Frame_Setup); ok {
+			return x.Setup
+		}
+	}
+	return nil
+}
+
 type isFrame_Body interface {
 	isFrame_Body()
 }
@@ -373,6 +456,11 @@ type Frame_Error struct {
 	Error *Error `protobuf:"bytes,14,opt,name=error,proto3,oneof"`
 }
 
+type Frame_Setup struct {
+	// First frame of every stream of a pipeline; see the file comment.
+	Setup *Setup `protobuf:"bytes,15,opt,name=setup,proto3,oneof"`
+}
+
 func (*Frame_Activations) isFrame_Body() {}
 
 func (*Frame_Tokens) isFrame_Body() {}
@@ -382,6 +470,188 @@ func (*Frame_Logits) isFrame_Body() {}
 func (*Frame_Control) isFrame_Body() {}
 
 func (*Frame_Error) isFrame_Body() {}
+
+func (*Frame_Setup) isFrame_Body() {}
+
+// Setup starts a pipeline on a Forward stream. A stage checks that the hop
+// it is named as matches the layers it holds, and rejects a pipeline id it
+// already serves for the same origin.
+type Setup struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Role  Setup_Role             `protobuf:"varint,1,opt,name=role,proto3,enum=meshnode.v1.Setup_Role" json:"role,omitempty"`
+	// Chosen by the origin, unique among its pipelines (at most 128 bytes).
+	PipelineId string `protobuf:"bytes,2,opt,name=pipeline_id,json=pipelineId,proto3" json:"pipeline_id,omitempty"`
+	// The origin's peer id (at most 256 bytes). With pipeline_id it names the
+	// pipeline on every stage, so that two origins' pipelines never mix.
+	Origin string `protobuf:"bytes,3,opt,name=origin,proto3" json:"origin,omitempty"`
+	// The stages, in order: hop 0 owns layer 0, each hop starts where the
+	// previous one ends, and the last ends at the model's layer count. At
+	// most 64 hops.
+	Route []*Hop `protobuf:"bytes,4,rep,name=route,proto3" json:"route,omitempty"`
+	// Index in route of the stage receiving this Setup.
+	Hop uint32 `protobuf:"varint,5,opt,name=hop,proto3" json:"hop,omitempty"`
+	// Element type of the Activations sent between the pipeline's stages.
+	WireDtype DType `protobuf:"varint,6,opt,name=wire_dtype,json=wireDtype,proto3,enum=meshnode.v1.DType" json:"wire_dtype,omitempty"`
+	// Tests and debugging: the last stage sends a Logits frame before each
+	// step's sampled Tokens (when the step has output rows).
+	ReturnLogits  bool `protobuf:"varint,7,opt,name=return_logits,json=returnLogits,proto3" json:"return_logits,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Setup) Reset() {
+	*x = Setup{}
+	mi := &file_meshnode_v1_stage_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Setup) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Setup) ProtoMessage() {}
+
+func (x *Setup) ProtoReflect() protoreflect.Message {
+	mi := &file_meshnode_v1_stage_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Setup.ProtoReflect.Descriptor instead.
+func (*Setup) Descriptor() ([]byte, []int) {
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Setup) GetRole() Setup_Role {
+	if x != nil {
+		return x.Role
+	}
+	return Setup_ROLE_UNSPECIFIED
+}
+
+func (x *Setup) GetPipelineId() string {
+	if x != nil {
+		return x.PipelineId
+	}
+	return ""
+}
+
+func (x *Setup) GetOrigin() string {
+	if x != nil {
+		return x.Origin
+	}
+	return ""
+}
+
+func (x *Setup) GetRoute() []*Hop {
+	if x != nil {
+		return x.Route
+	}
+	return nil
+}
+
+func (x *Setup) GetHop() uint32 {
+	if x != nil {
+		return x.Hop
+	}
+	return 0
+}
+
+func (x *Setup) GetWireDtype() DType {
+	if x != nil {
+		return x.WireDtype
+	}
+	return DType_DTYPE_UNSPECIFIED
+}
+
+func (x *Setup) GetReturnLogits() bool {
+	if x != nil {
+		return x.ReturnLogits
+	}
+	return false
+}
+
+// Hop is one stage of a route.
+type Hop struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How the previous stage reaches this one: a peer id, or an address
+	// (at most 256 bytes).
+	Peer string `protobuf:"bytes,1,opt,name=peer,proto3" json:"peer,omitempty"`
+	// Layers owned: [start, end).
+	Start uint32 `protobuf:"varint,2,opt,name=start,proto3" json:"start,omitempty"`
+	End   uint32 `protobuf:"varint,3,opt,name=end,proto3" json:"end,omitempty"`
+	// Largest message the hop accepts (its StageInfo.max_frame_bytes); the
+	// previous stage splits activations to fit. 0 means the default of
+	// node/wire.
+	MaxFrameBytes uint64 `protobuf:"varint,4,opt,name=max_frame_bytes,json=maxFrameBytes,proto3" json:"max_frame_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Hop) Reset() {
+	*x = Hop{}
+	mi := &file_meshnode_v1_stage_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Hop) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Hop) ProtoMessage() {}
+
+func (x *Hop) ProtoReflect() protoreflect.Message {
+	mi := &file_meshnode_v1_stage_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Hop.ProtoReflect.Descriptor instead.
+func (*Hop) Descriptor() ([]byte, []int) {
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *Hop) GetPeer() string {
+	if x != nil {
+		return x.Peer
+	}
+	return ""
+}
+
+func (x *Hop) GetStart() uint32 {
+	if x != nil {
+		return x.Start
+	}
+	return 0
+}
+
+func (x *Hop) GetEnd() uint32 {
+	if x != nil {
+		return x.End
+	}
+	return 0
+}
+
+func (x *Hop) GetMaxFrameBytes() uint64 {
+	if x != nil {
+		return x.MaxFrameBytes
+	}
+	return 0
+}
 
 // Activations are the hidden states of one batch: a [rows, cols] matrix,
 // one row per token, where cols is the model's n_embd.
@@ -400,14 +670,26 @@ type Activations struct {
 	Payload []byte `protobuf:"bytes,6,opt,name=payload,proto3" json:"payload,omitempty"`
 	// Rows (strictly ascending, < rows) whose next token the last stage must
 	// sample. Passed on unchanged by the stages in between.
-	OutputRows    []uint32 `protobuf:"varint,7,rep,packed,name=output_rows,json=outputRows,proto3" json:"output_rows,omitempty"`
+	OutputRows []uint32 `protobuf:"varint,7,rep,packed,name=output_rows,json=outputRows,proto3" json:"output_rows,omitempty"`
+	// Token id of each row (len == rows), as fed into the first stage and
+	// passed on unchanged, so that the last stage knows each sequence's
+	// history exactly (repetition penalties), trims and replays included.
+	// May be empty outside a pipeline set up by Setup.
+	TokenIds []int32 `protobuf:"varint,8,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
+	// More frames of this step follow: a batch too large for one message is
+	// split by rows into consecutive frames with the same step, and the
+	// receiver joins them before running it. output_rows index the rows of
+	// their own frame. (Only pipelines started with Setup split, and a peer
+	// that predates Setup rejects that first frame, so no peer misreads a
+	// part as a whole batch.)
+	More          bool `protobuf:"varint,9,opt,name=more,proto3" json:"more,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Activations) Reset() {
 	*x = Activations{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[1]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -419,7 +701,7 @@ func (x *Activations) String() string {
 func (*Activations) ProtoMessage() {}
 
 func (x *Activations) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[1]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -432,7 +714,7 @@ func (x *Activations) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Activations.ProtoReflect.Descriptor instead.
 func (*Activations) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{1}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Activations) GetSeqIds() []uint64 {
@@ -484,12 +766,27 @@ func (x *Activations) GetOutputRows() []uint32 {
 	return nil
 }
 
+func (x *Activations) GetTokenIds() []int32 {
+	if x != nil {
+		return x.TokenIds
+	}
+	return nil
+}
+
+func (x *Activations) GetMore() bool {
+	if x != nil {
+		return x.More
+	}
+	return false
+}
+
 // Tokens are token ids, one per row. Into the first stage they are a batch
 // to run (seq_ids, positions, token_ids and output_rows as in Activations).
-// From the last stage back to the first they are the sampled tokens: one
+// From the last stage back to the origin they are the sampled tokens: one
 // row per output row of the request, in its order, each at the position the
-// token will take; output_rows is empty. That reply, with output_rows set,
-// is the next decode step's input.
+// token will take; output_rows is empty, and a step without output rows is
+// answered with zero rows. That reply, with output_rows set, is the next
+// decode step's input.
 type Tokens struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Sequence of each row.
@@ -506,7 +803,7 @@ type Tokens struct {
 
 func (x *Tokens) Reset() {
 	*x = Tokens{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[2]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -518,7 +815,7 @@ func (x *Tokens) String() string {
 func (*Tokens) ProtoMessage() {}
 
 func (x *Tokens) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[2]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -531,7 +828,7 @@ func (x *Tokens) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tokens.ProtoReflect.Descriptor instead.
 func (*Tokens) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{2}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Tokens) GetSeqIds() []uint64 {
@@ -577,7 +874,7 @@ type Logits struct {
 
 func (x *Logits) Reset() {
 	*x = Logits{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[3]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -589,7 +886,7 @@ func (x *Logits) String() string {
 func (*Logits) ProtoMessage() {}
 
 func (x *Logits) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[3]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -602,7 +899,7 @@ func (x *Logits) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Logits.ProtoReflect.Descriptor instead.
 func (*Logits) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{3}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Logits) GetRows() uint32 {
@@ -637,14 +934,18 @@ type SeqControl struct {
 	Position int32 `protobuf:"varint,3,opt,name=position,proto3" json:"position,omitempty"`
 	// OPEN only, optional: how the last stage samples this sequence. Unset
 	// means greedy.
-	Sampling      *Sampling `protobuf:"bytes,4,opt,name=sampling,proto3" json:"sampling,omitempty"`
+	Sampling *Sampling `protobuf:"bytes,4,opt,name=sampling,proto3" json:"sampling,omitempty"`
+	// OPEN only, optional: tokens the sequence already holds at positions
+	// [0, len), for the repetition penalties: usually its prompt. Rows fed
+	// later overwrite or extend it at their positions, and TRIM cuts it.
+	History       []int32 `protobuf:"varint,5,rep,packed,name=history,proto3" json:"history,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SeqControl) Reset() {
 	*x = SeqControl{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[4]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -656,7 +957,7 @@ func (x *SeqControl) String() string {
 func (*SeqControl) ProtoMessage() {}
 
 func (x *SeqControl) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[4]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -669,7 +970,7 @@ func (x *SeqControl) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SeqControl.ProtoReflect.Descriptor instead.
 func (*SeqControl) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{4}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *SeqControl) GetOp() SeqControl_Op {
@@ -700,6 +1001,13 @@ func (x *SeqControl) GetSampling() *Sampling {
 	return nil
 }
 
+func (x *SeqControl) GetHistory() []int32 {
+	if x != nil {
+		return x.History
+	}
+	return nil
+}
+
 // Sampling configures the last stage's sampler for one sequence.
 type Sampling struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -714,14 +1022,24 @@ type Sampling struct {
 	MinP float32 `protobuf:"fixed32,4,opt,name=min_p,json=minP,proto3" json:"min_p,omitempty"`
 	// Seed of the sequence's random stream, so that replaying a sequence
 	// after a pipeline rebuild samples the same tokens.
-	Seed          uint64 `protobuf:"varint,5,opt,name=seed,proto3" json:"seed,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Seed uint64 `protobuf:"varint,5,opt,name=seed,proto3" json:"seed,omitempty"`
+	// Penalties over the sequence's history, as node/sample applies them.
+	// Divides positive logits of seen tokens (multiplies negative ones);
+	// 0 or 1 is off.
+	RepeatPenalty float32 `protobuf:"fixed32,6,opt,name=repeat_penalty,json=repeatPenalty,proto3" json:"repeat_penalty,omitempty"`
+	// How many of the latest history tokens the penalties look at: 0 is the
+	// default (64), -1 the whole history.
+	RepeatLastN int32 `protobuf:"varint,7,opt,name=repeat_last_n,json=repeatLastN,proto3" json:"repeat_last_n,omitempty"`
+	// OpenAI style, each in [-2, 2]; 0 is off.
+	FrequencyPenalty float32 `protobuf:"fixed32,8,opt,name=frequency_penalty,json=frequencyPenalty,proto3" json:"frequency_penalty,omitempty"`
+	PresencePenalty  float32 `protobuf:"fixed32,9,opt,name=presence_penalty,json=presencePenalty,proto3" json:"presence_penalty,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Sampling) Reset() {
 	*x = Sampling{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -733,7 +1051,7 @@ func (x *Sampling) String() string {
 func (*Sampling) ProtoMessage() {}
 
 func (x *Sampling) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -746,7 +1064,7 @@ func (x *Sampling) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sampling.ProtoReflect.Descriptor instead.
 func (*Sampling) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{5}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Sampling) GetTemperature() float32 {
@@ -784,19 +1102,58 @@ func (x *Sampling) GetSeed() uint64 {
 	return 0
 }
 
+func (x *Sampling) GetRepeatPenalty() float32 {
+	if x != nil {
+		return x.RepeatPenalty
+	}
+	return 0
+}
+
+func (x *Sampling) GetRepeatLastN() int32 {
+	if x != nil {
+		return x.RepeatLastN
+	}
+	return 0
+}
+
+func (x *Sampling) GetFrequencyPenalty() float32 {
+	if x != nil {
+		return x.FrequencyPenalty
+	}
+	return 0
+}
+
+func (x *Sampling) GetPresencePenalty() float32 {
+	if x != nil {
+		return x.PresencePenalty
+	}
+	return 0
+}
+
 // Error reports that the request with the frame's step failed.
+//
+// Going down a forward stream or up the return stream, an Error replaces the
+// reply of its step (codes ENGINE, NO_SLOT, SEQ_EXISTS): the pipeline goes
+// on. Any other code is fatal: the stream it travels on, and so the
+// pipeline, closes after it. Coming up a forward stream, an Error is always
+// fatal.
 type Error struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Code  Error_Code             `protobuf:"varint,1,opt,name=code,proto3,enum=meshnode.v1.Error_Code" json:"code,omitempty"`
 	// Human-readable detail, for logs.
-	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	// Index in the pipeline's route of the stage the error is about: the one
+	// that failed the step, sent the bad frame, or could not be reached.
+	// Unset outside a pipeline, or when no stage is to blame (the origin went
+	// away).
+	Hop           *uint32 `protobuf:"varint,3,opt,name=hop,proto3,oneof" json:"hop,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -808,7 +1165,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -821,7 +1178,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{6}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Error) GetCode() Error_Code {
@@ -838,6 +1195,13 @@ func (x *Error) GetMessage() string {
 	return ""
 }
 
+func (x *Error) GetHop() uint32 {
+	if x != nil && x.Hop != nil {
+		return *x.Hop
+	}
+	return 0
+}
+
 // InfoRequest asks for a stage's StageInfo. Empty for now.
 type InfoRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -847,7 +1211,7 @@ type InfoRequest struct {
 
 func (x *InfoRequest) Reset() {
 	*x = InfoRequest{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -859,7 +1223,7 @@ func (x *InfoRequest) String() string {
 func (*InfoRequest) ProtoMessage() {}
 
 func (x *InfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -872,7 +1236,7 @@ func (x *InfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InfoRequest.ProtoReflect.Descriptor instead.
 func (*InfoRequest) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{7}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{9}
 }
 
 // StageInfo describes a stage: the model and layer range it holds and how
@@ -914,7 +1278,7 @@ type StageInfo struct {
 
 func (x *StageInfo) Reset() {
 	*x = StageInfo{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -926,7 +1290,7 @@ func (x *StageInfo) String() string {
 func (*StageInfo) ProtoMessage() {}
 
 func (x *StageInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -939,7 +1303,7 @@ func (x *StageInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageInfo.ProtoReflect.Descriptor instead.
 func (*StageInfo) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{8}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StageInfo) GetArch() string {
@@ -1051,7 +1415,7 @@ var File_meshnode_v1_stage_proto protoreflect.FileDescriptor
 
 const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\n" +
-	"\x17meshnode/v1/stage.proto\x12\vmeshnode.v1\"\xba\x02\n" +
+	"\x17meshnode/v1/stage.proto\x12\vmeshnode.v1\"\xe6\x02\n" +
 	"\x05Frame\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x04R\x04step\x12<\n" +
@@ -1060,8 +1424,28 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\x06tokens\x18\v \x01(\v2\x13.meshnode.v1.TokensH\x00R\x06tokens\x12-\n" +
 	"\x06logits\x18\f \x01(\v2\x13.meshnode.v1.LogitsH\x00R\x06logits\x123\n" +
 	"\acontrol\x18\r \x01(\v2\x17.meshnode.v1.SeqControlH\x00R\acontrol\x12*\n" +
-	"\x05error\x18\x0e \x01(\v2\x12.meshnode.v1.ErrorH\x00R\x05errorB\x06\n" +
-	"\x04body\"\xd1\x01\n" +
+	"\x05error\x18\x0e \x01(\v2\x12.meshnode.v1.ErrorH\x00R\x05error\x12*\n" +
+	"\x05setup\x18\x0f \x01(\v2\x12.meshnode.v1.SetupH\x00R\x05setupB\x06\n" +
+	"\x04body\"\xc0\x02\n" +
+	"\x05Setup\x12+\n" +
+	"\x04role\x18\x01 \x01(\x0e2\x17.meshnode.v1.Setup.RoleR\x04role\x12\x1f\n" +
+	"\vpipeline_id\x18\x02 \x01(\tR\n" +
+	"pipelineId\x12\x16\n" +
+	"\x06origin\x18\x03 \x01(\tR\x06origin\x12&\n" +
+	"\x05route\x18\x04 \x03(\v2\x10.meshnode.v1.HopR\x05route\x12\x10\n" +
+	"\x03hop\x18\x05 \x01(\rR\x03hop\x121\n" +
+	"\n" +
+	"wire_dtype\x18\x06 \x01(\x0e2\x12.meshnode.v1.DTypeR\twireDtype\x12#\n" +
+	"\rreturn_logits\x18\a \x01(\bR\freturnLogits\"?\n" +
+	"\x04Role\x12\x14\n" +
+	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n" +
+	"\fROLE_FORWARD\x10\x01\x12\x0f\n" +
+	"\vROLE_RETURN\x10\x02\"i\n" +
+	"\x03Hop\x12\x12\n" +
+	"\x04peer\x18\x01 \x01(\tR\x04peer\x12\x14\n" +
+	"\x05start\x18\x02 \x01(\rR\x05start\x12\x10\n" +
+	"\x03end\x18\x03 \x01(\rR\x03end\x12&\n" +
+	"\x0fmax_frame_bytes\x18\x04 \x01(\x04R\rmaxFrameBytes\"\x82\x02\n" +
 	"\vActivations\x12\x17\n" +
 	"\aseq_ids\x18\x01 \x03(\x04R\x06seqIds\x12\x1c\n" +
 	"\tpositions\x18\x02 \x03(\x05R\tpositions\x12(\n" +
@@ -1070,7 +1454,9 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\x04cols\x18\x05 \x01(\rR\x04cols\x12\x18\n" +
 	"\apayload\x18\x06 \x01(\fR\apayload\x12\x1f\n" +
 	"\voutput_rows\x18\a \x03(\rR\n" +
-	"outputRows\"}\n" +
+	"outputRows\x12\x1b\n" +
+	"\ttoken_ids\x18\b \x03(\x05R\btokenIds\x12\x12\n" +
+	"\x04more\x18\t \x01(\bR\x04more\"}\n" +
 	"\x06Tokens\x12\x17\n" +
 	"\aseq_ids\x18\x01 \x03(\x04R\x06seqIds\x12\x1c\n" +
 	"\tpositions\x18\x02 \x03(\x05R\tpositions\x12\x1b\n" +
@@ -1080,28 +1466,34 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\x06Logits\x12\x12\n" +
 	"\x04rows\x18\x01 \x01(\rR\x04rows\x12\x14\n" +
 	"\x05vocab\x18\x02 \x01(\rR\x05vocab\x12\x18\n" +
-	"\apayload\x18\x03 \x01(\fR\apayload\"\xe2\x01\n" +
+	"\apayload\x18\x03 \x01(\fR\apayload\"\xfc\x01\n" +
 	"\n" +
 	"SeqControl\x12*\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x1a.meshnode.v1.SeqControl.OpR\x02op\x12\x15\n" +
 	"\x06seq_id\x18\x02 \x01(\x04R\x05seqId\x12\x1a\n" +
 	"\bposition\x18\x03 \x01(\x05R\bposition\x121\n" +
-	"\bsampling\x18\x04 \x01(\v2\x15.meshnode.v1.SamplingR\bsampling\"B\n" +
+	"\bsampling\x18\x04 \x01(\v2\x15.meshnode.v1.SamplingR\bsampling\x12\x18\n" +
+	"\ahistory\x18\x05 \x03(\x05R\ahistory\"B\n" +
 	"\x02Op\x12\x12\n" +
 	"\x0eOP_UNSPECIFIED\x10\x00\x12\v\n" +
 	"\aOP_OPEN\x10\x01\x12\v\n" +
 	"\aOP_TRIM\x10\x02\x12\x0e\n" +
 	"\n" +
-	"OP_RELEASE\x10\x03\"\x7f\n" +
+	"OP_RELEASE\x10\x03\"\xa2\x02\n" +
 	"\bSampling\x12 \n" +
 	"\vtemperature\x18\x01 \x01(\x02R\vtemperature\x12\x13\n" +
 	"\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x13\n" +
 	"\x05top_p\x18\x03 \x01(\x02R\x04topP\x12\x13\n" +
 	"\x05min_p\x18\x04 \x01(\x02R\x04minP\x12\x12\n" +
-	"\x04seed\x18\x05 \x01(\x04R\x04seed\"\x83\x02\n" +
+	"\x04seed\x18\x05 \x01(\x04R\x04seed\x12%\n" +
+	"\x0erepeat_penalty\x18\x06 \x01(\x02R\rrepeatPenalty\x12\"\n" +
+	"\rrepeat_last_n\x18\a \x01(\x05R\vrepeatLastN\x12+\n" +
+	"\x11frequency_penalty\x18\b \x01(\x02R\x10frequencyPenalty\x12)\n" +
+	"\x10presence_penalty\x18\t \x01(\x02R\x0fpresencePenalty\"\xa2\x02\n" +
 	"\x05Error\x12+\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x17.meshnode.v1.Error.CodeR\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\"\xb2\x01\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x12\x15\n" +
+	"\x03hop\x18\x03 \x01(\rH\x00R\x03hop\x88\x01\x01\"\xb2\x01\n" +
 	"\x04Code\x12\x14\n" +
 	"\x10CODE_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eCODE_BAD_FRAME\x10\x01\x12\x1c\n" +
@@ -1110,7 +1502,8 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\fCODE_NO_SLOT\x10\x04\x12\x13\n" +
 	"\x0fCODE_SEQ_EXISTS\x10\x05\x12\x0f\n" +
 	"\vCODE_ENGINE\x10\x06\x12\x14\n" +
-	"\x10CODE_UNAVAILABLE\x10\a\"\r\n" +
+	"\x10CODE_UNAVAILABLE\x10\aB\x06\n" +
+	"\x04_hop\"\r\n" +
 	"\vInfoRequest\"\xb0\x03\n" +
 	"\tStageInfo\x12\x12\n" +
 	"\x04arch\x18\x01 \x01(\tR\x04arch\x12\x16\n" +
@@ -1153,42 +1546,49 @@ func file_meshnode_v1_stage_proto_rawDescGZIP() []byte {
 	return file_meshnode_v1_stage_proto_rawDescData
 }
 
-var file_meshnode_v1_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_meshnode_v1_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_meshnode_v1_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_meshnode_v1_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_meshnode_v1_stage_proto_goTypes = []any{
 	(DType)(0),          // 0: meshnode.v1.DType
-	(SeqControl_Op)(0),  // 1: meshnode.v1.SeqControl.Op
-	(Error_Code)(0),     // 2: meshnode.v1.Error.Code
-	(*Frame)(nil),       // 3: meshnode.v1.Frame
-	(*Activations)(nil), // 4: meshnode.v1.Activations
-	(*Tokens)(nil),      // 5: meshnode.v1.Tokens
-	(*Logits)(nil),      // 6: meshnode.v1.Logits
-	(*SeqControl)(nil),  // 7: meshnode.v1.SeqControl
-	(*Sampling)(nil),    // 8: meshnode.v1.Sampling
-	(*Error)(nil),       // 9: meshnode.v1.Error
-	(*InfoRequest)(nil), // 10: meshnode.v1.InfoRequest
-	(*StageInfo)(nil),   // 11: meshnode.v1.StageInfo
+	(Setup_Role)(0),     // 1: meshnode.v1.Setup.Role
+	(SeqControl_Op)(0),  // 2: meshnode.v1.SeqControl.Op
+	(Error_Code)(0),     // 3: meshnode.v1.Error.Code
+	(*Frame)(nil),       // 4: meshnode.v1.Frame
+	(*Setup)(nil),       // 5: meshnode.v1.Setup
+	(*Hop)(nil),         // 6: meshnode.v1.Hop
+	(*Activations)(nil), // 7: meshnode.v1.Activations
+	(*Tokens)(nil),      // 8: meshnode.v1.Tokens
+	(*Logits)(nil),      // 9: meshnode.v1.Logits
+	(*SeqControl)(nil),  // 10: meshnode.v1.SeqControl
+	(*Sampling)(nil),    // 11: meshnode.v1.Sampling
+	(*Error)(nil),       // 12: meshnode.v1.Error
+	(*InfoRequest)(nil), // 13: meshnode.v1.InfoRequest
+	(*StageInfo)(nil),   // 14: meshnode.v1.StageInfo
 }
 var file_meshnode_v1_stage_proto_depIdxs = []int32{
-	4,  // 0: meshnode.v1.Frame.activations:type_name -> meshnode.v1.Activations
-	5,  // 1: meshnode.v1.Frame.tokens:type_name -> meshnode.v1.Tokens
-	6,  // 2: meshnode.v1.Frame.logits:type_name -> meshnode.v1.Logits
-	7,  // 3: meshnode.v1.Frame.control:type_name -> meshnode.v1.SeqControl
-	9,  // 4: meshnode.v1.Frame.error:type_name -> meshnode.v1.Error
-	0,  // 5: meshnode.v1.Activations.dtype:type_name -> meshnode.v1.DType
-	1,  // 6: meshnode.v1.SeqControl.op:type_name -> meshnode.v1.SeqControl.Op
-	8,  // 7: meshnode.v1.SeqControl.sampling:type_name -> meshnode.v1.Sampling
-	2,  // 8: meshnode.v1.Error.code:type_name -> meshnode.v1.Error.Code
-	0,  // 9: meshnode.v1.StageInfo.wire_dtype:type_name -> meshnode.v1.DType
-	3,  // 10: meshnode.v1.StageService.Forward:input_type -> meshnode.v1.Frame
-	10, // 11: meshnode.v1.StageService.Info:input_type -> meshnode.v1.InfoRequest
-	3,  // 12: meshnode.v1.StageService.Forward:output_type -> meshnode.v1.Frame
-	11, // 13: meshnode.v1.StageService.Info:output_type -> meshnode.v1.StageInfo
-	12, // [12:14] is the sub-list for method output_type
-	10, // [10:12] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	7,  // 0: meshnode.v1.Frame.activations:type_name -> meshnode.v1.Activations
+	8,  // 1: meshnode.v1.Frame.tokens:type_name -> meshnode.v1.Tokens
+	9,  // 2: meshnode.v1.Frame.logits:type_name -> meshnode.v1.Logits
+	10, // 3: meshnode.v1.Frame.control:type_name -> meshnode.v1.SeqControl
+	12, // 4: meshnode.v1.Frame.error:type_name -> meshnode.v1.Error
+	5,  // 5: meshnode.v1.Frame.setup:type_name -> meshnode.v1.Setup
+	1,  // 6: meshnode.v1.Setup.role:type_name -> meshnode.v1.Setup.Role
+	6,  // 7: meshnode.v1.Setup.route:type_name -> meshnode.v1.Hop
+	0,  // 8: meshnode.v1.Setup.wire_dtype:type_name -> meshnode.v1.DType
+	0,  // 9: meshnode.v1.Activations.dtype:type_name -> meshnode.v1.DType
+	2,  // 10: meshnode.v1.SeqControl.op:type_name -> meshnode.v1.SeqControl.Op
+	11, // 11: meshnode.v1.SeqControl.sampling:type_name -> meshnode.v1.Sampling
+	3,  // 12: meshnode.v1.Error.code:type_name -> meshnode.v1.Error.Code
+	0,  // 13: meshnode.v1.StageInfo.wire_dtype:type_name -> meshnode.v1.DType
+	4,  // 14: meshnode.v1.StageService.Forward:input_type -> meshnode.v1.Frame
+	13, // 15: meshnode.v1.StageService.Info:input_type -> meshnode.v1.InfoRequest
+	4,  // 16: meshnode.v1.StageService.Forward:output_type -> meshnode.v1.Frame
+	14, // 17: meshnode.v1.StageService.Info:output_type -> meshnode.v1.StageInfo
+	16, // [16:18] is the sub-list for method output_type
+	14, // [14:16] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
 func init() { file_meshnode_v1_stage_proto_init() }
@@ -1202,14 +1602,16 @@ func file_meshnode_v1_stage_proto_init() {
 		(*Frame_Logits)(nil),
 		(*Frame_Control)(nil),
 		(*Frame_Error)(nil),
+		(*Frame_Setup)(nil),
 	}
+	file_meshnode_v1_stage_proto_msgTypes[8].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_meshnode_v1_stage_proto_rawDesc), len(file_meshnode_v1_stage_proto_rawDesc)),
-			NumEnums:      3,
-			NumMessages:   9,
+			NumEnums:      4,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

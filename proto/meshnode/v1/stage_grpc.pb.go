@@ -4,7 +4,28 @@
 // model's transformer layers. Work flows through it as Frames on
 // StageService.Forward streams: the first stage takes token ids, every later
 // stage takes the previous stage's hidden states, and the last stage samples
-// and sends the chosen token ids back to the first stage (never logits).
+// and sends the chosen token ids straight back to the pipeline's origin (the
+// node that drives it), never logits and never back through the middle.
+//
+// Streams of a pipeline. The origin picks a pipeline id and an ordered route
+// of hops covering the model's layers, then opens two streams:
+//   - a forward stream to hop 0, whose first frame is a Setup with role
+//     FORWARD. Each stage that is not last opens a forward stream of its own
+//     to the next hop and passes the Setup on (hop index + 1), so the route
+//     is one chain of streams: origin -> hop 0 -> hop 1 -> ... -> last.
+//     Down such a stream go work (Tokens into hop 0, Activations after it),
+//     SeqControl, and Error frames that stand in for a step that failed
+//     further up, so that every step keeps its place in the order. Up such a
+//     stream come only fatal errors: an Error frame, after which the stream
+//     closes (see Error).
+//   - a return stream to the last hop, whose first (and only) frame is a
+//     Setup with role RETURN. Up it comes exactly one reply per frame the
+//     origin sent down, in the order sent: the Setup echoed once the whole
+//     route is ready, a SeqControl echoed once every stage applied it,
+//     sampled Tokens (preceded by Logits when the Setup asked for them), or
+//     the Error that replaced the step. Its end ends the pipeline.
+// Whatever ends one stream of a route ends the rest: every stage releases
+// the pipeline's sequences when its forward stream ends.
 //
 // Compatibility rules for this file (checked by `buf breaking`):
 //   - never renumber or reuse a field number, enum value or oneof member;
@@ -43,10 +64,13 @@ const (
 //
 // StageService is what every stage serves.
 type StageServiceClient interface {
-	// Forward carries a stage's work in both directions: the upstream peer
-	// sends Activations or Tokens (work to run) and SeqControl frames; the
-	// stage answers with frames carrying the same step: sampled Tokens from
-	// the last stage, an echoed SeqControl as acknowledgement, or an Error.
+	// Forward carries a pipeline's traffic. Its first frame is a Setup that
+	// names the pipeline and the stream's role (see the file comment): a
+	// forward stream brings Activations or Tokens (work to run), SeqControl
+	// and the Errors of failed steps down from the previous hop or the
+	// origin; a return stream carries the last stage's replies, each with the
+	// step it answers (sampled Tokens, an echoed SeqControl as
+	// acknowledgement, or an Error), up to the origin.
 	//
 	// Sequence control travels in the stream, not as a separate RPC, so that
 	// it is ordered with the work: a TRIM sent after step 7 and before step 8
@@ -98,10 +122,13 @@ func (c *stageServiceClient) Info(ctx context.Context, in *InfoRequest, opts ...
 //
 // StageService is what every stage serves.
 type StageServiceServer interface {
-	// Forward carries a stage's work in both directions: the upstream peer
-	// sends Activations or Tokens (work to run) and SeqControl frames; the
-	// stage answers with frames carrying the same step: sampled Tokens from
-	// the last stage, an echoed SeqControl as acknowledgement, or an Error.
+	// Forward carries a pipeline's traffic. Its first frame is a Setup that
+	// names the pipeline and the stream's role (see the file comment): a
+	// forward stream brings Activations or Tokens (work to run), SeqControl
+	// and the Errors of failed steps down from the previous hop or the
+	// origin; a return stream carries the last stage's replies, each with the
+	// step it answers (sampled Tokens, an echoed SeqControl as
+	// acknowledgement, or an Error), up to the origin.
 	//
 	// Sequence control travels in the stream, not as a separate RPC, so that
 	// it is ordered with the work: a TRIM sent after step 7 and before step 8
