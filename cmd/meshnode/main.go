@@ -25,7 +25,8 @@ type command struct {
 
 func commands() []command {
 	return []command{
-		{"serve", "load a model and serve the OpenAI API", runServe},
+		{"serve", "start a mesh that serves a model through the OpenAI API", runServe},
+		{"join", "join this machine to a running mesh", runJoin},
 		{"bench", "measure prefill and decode speed against ollama's stock engine", runBench},
 		{"dev", "developer tools (gen-model)", runDev},
 		{"version", "print the version", func(context.Context, []string) error {
@@ -51,6 +52,7 @@ Commands:
 Examples:
   meshnode serve                          # the small default model on 127.0.0.1:9337
   meshnode serve --model ./llama-3.2-1b-q4_0.gguf
+  meshnode join /ip4/192.168.1.5/tcp/4001/p2p/12D3KooW... --mesh-key mk1_...   # on another machine
   curl http://127.0.0.1:9337/v1/chat/completions -d '{"model":"stories260K","messages":[{"role":"user","content":"Hi"}]}'
 
 Run 'meshnode <command> --help' for a command's flags.

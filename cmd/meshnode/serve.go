@@ -2,48 +2,151 @@ package main
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
+	"strings"
 
 	"github.com/meshnode/meshnode/node"
+	"github.com/meshnode/meshnode/stage"
 )
 
-func runServe(ctx context.Context, args []string) error {
-	fs := newFlags("serve [flags]", `Loads a GGUF model and serves it through an OpenAI-compatible API
-(/v1/chat/completions, /v1/completions, /v1/models, /health).
+// nodeFlags are the flags serve and join share.
+type nodeFlags struct {
+	cfg       node.Config
+	listen    string
+	maxMemory string
+	wire      string
+	logFormat string
+	logLevel  string
+}
 
-With no --model it serves the small default model, stories260K: from
-../shared/models when present, else downloaded once from Hugging Face
-(ggml-org/models) into the cache.`, `  meshnode serve
-  meshnode serve --model ./qwen2.5-0.5b-instruct-q4_0.gguf --ctx 8192 --parallel 8
-  meshnode serve --http 0.0.0.0:9337 --api-key "$(cat ~/.meshnode/api-key)"`)
-	var cfg node.Config
-	fs.StringVar(&cfg.Model, "model", "", "path to a GGUF model (llama, qwen2, qwen3 architectures); empty = the default model")
-	fs.StringVar(&cfg.HTTPAddr, "http", node.DefaultHTTPAddr, "address of the HTTP API; beyond loopback it requires --api-key")
-	fs.StringVar(&cfg.DataDir, "data-dir", node.DefaultDataDir(), "where slices, hashes and keys are kept")
-	fs.StringVar(&cfg.APIKey, "api-key", "", "require this bearer key on /v1/* (required when --http is not loopback)")
-	fs.IntVar(&cfg.Threads, "threads", 0, "CPU threads for compute; 0 = all cores")
-	fs.IntVar(&cfg.Context, "ctx", 4096, "context length (positions) per sequence")
-	fs.IntVar(&cfg.Parallel, "parallel", 4, "sequences generated at once (each gets --ctx positions of KV cache)")
-	fs.IntVar(&cfg.BatchTokens, "batch", 512, "most tokens in one forward pass (prefill chunk size)")
-	fs.IntVar(&cfg.QueueSize, "queue", 64, "requests that may wait for a free sequence before new ones get 429")
-	fs.IntVar(&cfg.MaxTokensCap, "max-tokens", 4096, "upper bound on max_tokens of a request")
-	fs.BoolVar(&cfg.FlashAttention, "flash-attn", false, "use ggml's fused attention kernel")
-	fs.BoolVar(&cfg.NoRepack, "no-repack", false, "keep quantized weights in ggml's plain layout (slower on CPU)")
-	logFormat := fs.String("log-format", "console", "log format: console or json")
-	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
-	if err := parse(fs, args); err != nil {
-		return err
+func (f *nodeFlags) register(fs *flag.FlagSet) {
+	c := &f.cfg
+	fs.StringVar(&c.HTTPAddr, "http", node.DefaultHTTPAddr, "address of the OpenAI API; beyond loopback it requires --api-key")
+	fs.StringVar(&c.APIKey, "api-key", "", "require this bearer key on /v1/* and /api/* (required when --http is not loopback)")
+	fs.StringVar(&c.DataDir, "data-dir", node.DefaultDataDir(), "where the peer key, mesh key, slices and hashes are kept")
+	fs.StringVar(&f.listen, "listen", "", "comma-separated libp2p multiaddrs to listen on (default /ip4/0.0.0.0/tcp/4001, any free port if taken)")
+	fs.IntVar(&c.GossipPort, "gossip-port", 0, "UDP+TCP port for membership gossip (default 4002, any free port if taken)")
+	fs.StringVar(&c.MeshKey, "mesh-key", "", "the mesh's key (serve makes one and prints it; join needs it)")
+	fs.BoolVar(&c.MDNS, "mdns", false, "find nodes of the same mesh on the LAN without addresses")
+	fs.StringVar(&c.Layers, "layers", "", "pin this node to layers START:END of the model")
+	fs.StringVar(&f.maxMemory, "max-memory", "", "cap the memory this node offers the planner, e.g. 6GiB or 512MB")
+	fs.StringVar(&f.wire, "wire-dtype", "f16", "activation type between stages: f16 or f32")
+	fs.IntVar(&c.Threads, "threads", 0, "CPU threads for compute; 0 = all cores")
+	fs.IntVar(&c.BatchTokens, "batch", 512, "most tokens in one forward pass (prefill chunk size)")
+	fs.IntVar(&c.QueueSize, "queue", 64, "requests that may wait for a free sequence before new ones get 429")
+	fs.IntVar(&c.MaxTokensCap, "max-tokens", 4096, "upper bound on max_tokens of a request")
+	fs.BoolVar(&c.FlashAttention, "flash-attn", false, "use ggml's fused attention kernel")
+	fs.BoolVar(&c.NoRepack, "no-repack", false, "keep quantized weights in ggml's plain layout (slower on CPU)")
+	fs.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
+	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+}
+
+func (f *nodeFlags) run(ctx context.Context) error {
+	if f.listen != "" {
+		for _, a := range strings.Split(f.listen, ",") {
+			f.cfg.Listen = append(f.cfg.Listen, strings.TrimSpace(a))
+		}
 	}
-	log, err := newLogger(*logFormat, *logLevel)
+	if f.maxMemory != "" {
+		n, err := parseBytes(f.maxMemory)
+		if err != nil {
+			return fmt.Errorf("--max-memory: %w", err)
+		}
+		f.cfg.MaxMemory = n
+	}
+	dt, err := stage.ParseDType(f.wire)
+	if err != nil || dt == stage.BF16 {
+		return fmt.Errorf("--wire-dtype %q: want f16 or f32", f.wire)
+	}
+	f.cfg.WireDType = dt
+	log, err := newLogger(f.logFormat, f.logLevel)
 	if err != nil {
 		return err
 	}
 	defer log.Sync()
-	cfg.Logger = log
-	cfg.Progress = newProgress(os.Stderr)
-	cfg.Ready = func(addr string) {
+	f.cfg.Logger = log
+	f.cfg.Progress = newProgress(os.Stderr)
+	f.cfg.JoinCommand = func(cmd string) {
+		fmt.Fprintf(os.Stderr, "\nTo add a machine to this mesh, run on it:\n\n    %s\n\n", cmd)
+	}
+	f.cfg.Ready = func(addr string) {
 		fmt.Fprintf(os.Stderr, "\nmeshnode is serving on http://%s/v1  (Ctrl-C to stop)\n\n", addr)
 	}
-	return node.Run(ctx, cfg)
+	return node.Run(ctx, f.cfg)
+}
+
+func runServe(ctx context.Context, args []string) error {
+	fs := newFlags("serve [flags]", `Starts a mesh (or a node of one) that serves a GGUF model through an
+OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models,
+/health) and prints the command that adds another machine.
+
+With no --model it serves the small default model, stories260K: from
+../shared/models when present, else downloaded once from Hugging Face
+(ggml-org/models) into the cache.
+
+The mesh places layers by itself: one node when the model fits it, else
+contiguous layer ranges in proportion to each node's memory and speed.
+--split spreads the model over every node even when it fits one.`, `  meshnode serve
+  meshnode serve --model ./qwen2.5-0.5b-instruct-q4_0.gguf --ctx 8192 --parallel 8
+  meshnode serve --model ./llama-3.1-8b-q4_0.gguf --split --max-memory 6GiB
+  meshnode serve --http 0.0.0.0:9337 --api-key "$(cat ~/.meshnode/api-key)"`)
+	var f nodeFlags
+	f.register(fs)
+	fs.StringVar(&f.cfg.Model, "model", "", "path to a GGUF model (llama, qwen2, qwen3 architectures); empty = the default model")
+	fs.IntVar(&f.cfg.Context, "ctx", 4096, "context length (positions) per sequence")
+	fs.IntVar(&f.cfg.Parallel, "parallel", 4, "sequences generated at once (each gets --ctx positions of KV cache)")
+	fs.BoolVar(&f.cfg.Split, "split", false, "split the model across all ready nodes even when it fits on one")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	return f.run(ctx)
+}
+
+func runJoin(ctx context.Context, args []string) error {
+	fs := newFlags("join PEER-MULTIADDR --mesh-key KEY [flags]", `Joins this machine to a running mesh. The node learns the mesh's model from
+its peers, takes the layers the planner gives it, fetches exactly those
+layers' bytes from a peer that holds the model file (verified by hash,
+resumable), and serves the same OpenAI API as every other node.
+
+'meshnode serve' prints the exact command to run.`, `  meshnode join /ip4/192.168.1.5/tcp/4001/p2p/12D3KooW... --mesh-key mk1_...
+  meshnode join /ip4/192.168.1.5/tcp/4001/p2p/12D3KooW... --mesh-key mk1_... --layers 16:32`)
+	var f nodeFlags
+	f.register(fs)
+	// The peer address comes first, as printed by serve; flags follow it.
+	var peers []string
+	for len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		peers = append(peers, args[0])
+		args = args[1:]
+	}
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if len(peers) == 0 && !f.cfg.MDNS {
+		fs.Usage()
+		return errUsage
+	}
+	f.cfg.Join = peers
+	return f.run(ctx)
+}
+
+// parseBytes reads sizes like 512MB, 6GiB, 1.5G or a plain byte count.
+func parseBytes(s string) (uint64, error) {
+	s = strings.TrimSpace(strings.ToUpper(s))
+	mult := uint64(1)
+	for _, u := range []struct {
+		suffix string
+		mult   uint64
+	}{{"TIB", 1 << 40}, {"GIB", 1 << 30}, {"MIB", 1 << 20}, {"KIB", 1 << 10}, {"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}, {"KB", 1e3}, {"T", 1 << 40}, {"G", 1 << 30}, {"M", 1 << 20}, {"K", 1 << 10}, {"B", 1}} {
+		if strings.HasSuffix(s, u.suffix) {
+			s, mult = strings.TrimSuffix(s, u.suffix), u.mult
+			break
+		}
+	}
+	var v float64
+	if _, err := fmt.Sscanf(strings.TrimSpace(s), "%g", &v); err != nil || v <= 0 {
+		return 0, fmt.Errorf("%q is not a size", s)
+	}
+	return uint64(v * float64(mult)), nil
 }

@@ -1,0 +1,596 @@
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/meshnode/meshnode/node/sample"
+	"github.com/meshnode/meshnode/node/wire"
+	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
+	"github.com/meshnode/meshnode/stage"
+)
+
+// side says where a link's failure came from, which decides whom to tell.
+type side uint8
+
+const (
+	fromHere side = iota // this stage: tell both neighbours
+	fromUp               // the previous hop or its stream: tell the next
+	fromDown             // the next hop or its stream: tell the previous
+)
+
+// failure ends a link. err wraps the sentinel that gives the wire code
+// (wire.ErrBadFrame, wire.ErrUnavailable, stage.ErrUnknownSeq, or a
+// relayed wire.RemoteError).
+type failure struct {
+	step uint64
+	hop  int // the hop to blame, -1 for none
+	from side
+	bad  bool // the blamed peer sent a malformed frame
+	err  error
+	// code, when set, is the gRPC status the stream ends with instead of
+	// the one err maps to: a message over the size limit keeps gRPC's
+	// ResourceExhausted.
+	code codes.Code
+}
+
+func (f *failure) Error() string { return f.err.Error() }
+func (f *failure) Unwrap() error { return f.err }
+
+// seqState is one of the pipeline's sequences on this stage.
+type seqState struct {
+	local stage.SeqID // the engine's id for it
+
+	// Last stage only.
+	sampler *sample.Sampler
+	history []int32 // token at each position fed so far
+}
+
+// record notes the token fed at pos: it replaces what the history held
+// there, or extends it.
+func (q *seqState) record(pos, tok int32) {
+	if int(pos) < len(q.history) {
+		q.history[pos] = tok
+		return
+	}
+	q.history = append(q.history, tok)
+}
+
+// link is one pipeline's forward stream on this stage, with what hangs off
+// it: the stream to the next hop, or on the last stage the rendezvous with
+// the return stream. Its state belongs to the handler goroutine.
+type link struct {
+	s      *Server
+	st     wire.Setup
+	from   string // the upstream peer, as the transport names it
+	up     meshnodev1.StageService_ForwardServer
+	upMu   sync.Mutex // the handler and the downstream watcher both send up
+	in     <-chan recvd
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	log    *zap.Logger
+
+	first, last bool
+	seqs        map[stage.SeqID]*seqState // by the origin's ids
+	join        joiner
+
+	// Not last: the stream to the next hop. out feeds the sender goroutine;
+	// closing says no more. closing marks a graceful end, so that the
+	// watcher takes the next hop's end of stream for what it is.
+	down       meshnodev1.StageService_ForwardClient
+	out        chan *meshnodev1.Frame
+	sent       chan struct{} // closed when the sender is done
+	watched    chan struct{} // closed when the watcher is done
+	closing    chan struct{}
+	closeOnce  sync.Once
+	nextPeer   string
+	frameLimit int
+
+	// Last: where replies go.
+	key pipeKey
+	rv  *rendezvous
+}
+
+func (s *Server) serveForward(ctx context.Context, cancel context.CancelCauseFunc, stream meshnodev1.StageService_ForwardServer,
+	from string, st wire.Setup, in <-chan recvd) error {
+	l := &link{
+		s: s, st: st, from: from, up: stream, in: in, ctx: ctx, cancel: cancel,
+		log:   s.log.With(zap.String("pipeline", st.PipelineID), zap.String("origin", st.Origin), zap.Int("hop", st.Hop)),
+		first: st.Hop == 0, last: st.Last(),
+		seqs: map[stage.SeqID]*seqState{},
+		join: joiner{lim: s.lim},
+	}
+	err := l.start()
+	if err == nil {
+		err = l.loop()
+	}
+	return l.finish(err)
+}
+
+// start connects the link: to the next hop, or on the last stage to the
+// origin's return stream, and on the last stage acknowledges the Setup,
+// which tells the origin that the whole route is up.
+func (l *link) start() error {
+	if l.last {
+		l.key = pipeKey{l.st.Origin, l.st.PipelineID}
+		rv, err := l.s.attach(l.key, wire.RoleForward)
+		if err != nil {
+			return &failure{hop: l.st.Hop - 1, from: fromUp, bad: true, err: err}
+		}
+		l.rv = rv
+		timer := time.NewTimer(l.s.cfg.SetupTimeout)
+		defer timer.Stop()
+		select {
+		case <-rv.retReady:
+		case <-timer.C:
+			return &failure{hop: -1, from: fromHere, err: fmt.Errorf("%w: pipeline %q: the origin opened no return stream within %s", wire.ErrUnavailable, l.st.PipelineID, l.s.cfg.SetupTimeout)}
+		case <-l.ctx.Done():
+			return context.Cause(l.ctx)
+		}
+		ack, err := wire.EncodeSetup(l.st)
+		if err != nil {
+			return &failure{hop: l.st.Hop, from: fromHere, err: err}
+		}
+		return l.emit(ack)
+	}
+
+	next := l.st.Hop + 1
+	l.nextPeer = l.st.Route[next].Peer
+	l.frameLimit = l.st.FrameLimit(next)
+	unreachable := func(err error) error {
+		return &failure{hop: next, from: fromDown, err: fmt.Errorf("%w: reaching hop %d (%s): %w", wire.ErrUnavailable, next, l.nextPeer, err)}
+	}
+	conn, err := l.s.cfg.Dial(l.ctx, l.nextPeer)
+	if err != nil {
+		return unreachable(err)
+	}
+	down, err := meshnodev1.NewStageServiceClient(conn).Forward(l.ctx)
+	if err != nil {
+		return unreachable(err)
+	}
+	st := l.st
+	st.Hop = next
+	f, err := wire.EncodeSetup(st)
+	if err != nil {
+		return &failure{hop: l.st.Hop, from: fromHere, err: err}
+	}
+	if err := down.Send(f); err != nil {
+		return unreachable(err)
+	}
+	l.down = down
+	l.out = make(chan *meshnodev1.Frame, 4)
+	l.sent = make(chan struct{})
+	l.watched = make(chan struct{})
+	l.closing = make(chan struct{})
+	l.s.wg.Add(2)
+	go l.send()
+	go l.watch()
+	return nil
+}
+
+// send passes queued frames to the next hop. Sending apart from compute
+// lets this stage start on its next step while the last one's output is
+// still on the wire.
+func (l *link) send() {
+	defer l.s.wg.Done()
+	defer close(l.sent)
+	for f := range l.out {
+		if err := l.down.Send(f); err != nil {
+			// io.EOF means the stream is already gone; the watcher
+			// reports why.
+			if !errors.Is(err, io.EOF) {
+				l.cancel(&failure{hop: l.st.Hop + 1, from: fromDown, err: fmt.Errorf("%w: sending to hop %d (%s): %w", wire.ErrUnavailable, l.st.Hop+1, l.nextPeer, err)})
+			}
+			return
+		}
+	}
+}
+
+// watch reads what the next hop sends up: only fatal errors, which end
+// this link and go on upstream. Its end of stream ends the link too,
+// unless this side closed first.
+func (l *link) watch() {
+	defer l.s.wg.Done()
+	defer close(l.watched)
+	next := l.st.Hop + 1
+	for {
+		f, err := l.down.Recv()
+		if err != nil {
+			select {
+			case <-l.closing:
+				return
+			default:
+			}
+			if l.ctx.Err() == nil {
+				l.cancel(&failure{hop: next, from: fromDown, err: fmt.Errorf("%w: stream to hop %d (%s) ended: %w", wire.ErrUnavailable, next, l.nextPeer, err)})
+			}
+			return
+		}
+		re, err := wire.DecodeError(f)
+		if err != nil || re.Hop >= len(l.st.Route) {
+			if err == nil {
+				err = fmt.Errorf("%w: error names hop %d of %d", wire.ErrBadFrame, re.Hop, len(l.st.Route))
+			}
+			l.s.badPeer(l.nextPeer, err)
+			l.cancel(&failure{hop: next, from: fromDown, err: fmt.Errorf("%w: hop %d (%s) sent a bad frame: %w", wire.ErrUnavailable, next, l.nextPeer, err)})
+			return
+		}
+		if re.Hop < 0 {
+			re.Hop = next
+		}
+		l.cancel(&failure{step: re.Step, hop: re.Hop, from: fromDown, err: re})
+		return
+	}
+}
+
+// loop runs the pipeline's frames in order until the upstream side ends.
+func (l *link) loop() error {
+	for {
+		select {
+		case r := <-l.in:
+			if r.err != nil {
+				if errors.Is(r.err, io.EOF) {
+					return nil
+				}
+				if status.Code(r.err) == codes.ResourceExhausted {
+					// Reported by the receiving goroutine already.
+					return &failure{hop: l.st.Hop - 1, from: fromUp, code: codes.ResourceExhausted,
+						err: fmt.Errorf("%w: %w", wire.ErrBadFrame, r.err)}
+				}
+				if l.ctx.Err() != nil {
+					return context.Cause(l.ctx)
+				}
+				return &failure{hop: l.st.Hop - 1, from: fromUp, err: fmt.Errorf("%w: stream from hop %d ended: %w", wire.ErrUnavailable, l.st.Hop-1, r.err)}
+			}
+			if err := l.handle(r.f); err != nil {
+				return err
+			}
+		case <-l.ctx.Done():
+			return context.Cause(l.ctx)
+		}
+	}
+}
+
+// bad blames the upstream peer for a frame that failed validation.
+func (l *link) bad(step uint64, err error) error {
+	return &failure{step: step, hop: l.st.Hop - 1, from: fromUp, bad: true, err: err}
+}
+
+// handle applies one frame from upstream.
+func (l *link) handle(f *meshnodev1.Frame) error {
+	step := f.GetStep()
+	if _, ok := f.GetBody().(*meshnodev1.Frame_Activations); !ok && l.join.pending() {
+		return l.bad(step, fmt.Errorf("%w: %s frame inside split step %d", wire.ErrBadFrame, wire.BodyKind(f), l.join.step))
+	}
+	switch f.GetBody().(type) {
+	case *meshnodev1.Frame_Control:
+		c, err := wire.DecodeControl(f, l.s.lim)
+		if err != nil {
+			return l.bad(step, err)
+		}
+		return l.control(step, c)
+	case *meshnodev1.Frame_Tokens:
+		if !l.first {
+			return l.bad(step, fmt.Errorf("%w: token ids into stage %s, which does not embed", wire.ErrBadFrame, l.s.info.Range()))
+		}
+		b, err := wire.DecodeTokens(f, l.s.lim)
+		if err != nil {
+			return l.bad(step, err)
+		}
+		return l.run(step, b)
+	case *meshnodev1.Frame_Activations:
+		if l.first {
+			return l.bad(step, fmt.Errorf("%w: hidden states into stage %s, which embeds", wire.ErrBadFrame, l.s.info.Range()))
+		}
+		b, err := wire.DecodeBatch(f, l.s.lim)
+		if err != nil {
+			return l.bad(step, err)
+		}
+		if len(b.Tokens) == 0 {
+			return l.bad(step, fmt.Errorf("%w: step %d activations carry no token ids", wire.ErrBadFrame, step))
+		}
+		whole, err := l.join.add(step, b, f.GetActivations().GetMore())
+		if err != nil {
+			return l.bad(step, err)
+		}
+		if whole == nil {
+			return nil
+		}
+		return l.run(step, whole)
+	case *meshnodev1.Frame_Error:
+		re, err := wire.DecodeError(f)
+		if err == nil && re.Hop >= len(l.st.Route) {
+			err = fmt.Errorf("%w: error names hop %d of %d", wire.ErrBadFrame, re.Hop, len(l.st.Route))
+		}
+		if err != nil {
+			return l.bad(step, err)
+		}
+		if re.Hop < 0 {
+			re.Hop = l.st.Hop - 1
+		}
+		if wire.Fatal(re.Code) {
+			// The previous hop's last word: pass it on and end.
+			return &failure{step: step, hop: re.Hop, from: fromUp, err: re}
+		}
+		// A step that failed further up keeps its place in the order.
+		return l.emit(wire.EncodeHopError(step, re.Hop, re))
+	default:
+		return l.bad(step, fmt.Errorf("%w: unexpected %s frame on a forward stream", wire.ErrBadFrame, wire.BodyKind(f)))
+	}
+}
+
+// stepFailed reports a step this stage could not do, in its place.
+func (l *link) stepFailed(step uint64, err error) error {
+	l.log.Debug("step failed", zap.Uint64("step", step), zap.Error(err))
+	return l.emit(wire.EncodeHopError(step, l.st.Hop, err))
+}
+
+// control applies a sequence operation and passes it on; the last stage's
+// echo is the origin's acknowledgement.
+func (l *link) control(step uint64, c wire.Control) error {
+	e := l.s.cfg.Engine
+	switch c.Op {
+	case wire.OpOpen:
+		if _, ok := l.seqs[c.Seq]; ok {
+			return l.stepFailed(step, fmt.Errorf("%w: %d", stage.ErrSeqExists, c.Seq))
+		}
+		q := &seqState{local: stage.SeqID(l.s.nextLocal.Add(1))}
+		if l.last {
+			p, err := samplingFromWire(c.Sampling)
+			if err != nil {
+				return l.bad(step, err)
+			}
+			q.sampler = sample.New(p)
+			q.history = append([]int32(nil), c.History...)
+		}
+		if err := e.Open(q.local); err != nil {
+			return l.stepFailed(step, err)
+		}
+		l.seqs[c.Seq] = q
+	case wire.OpTrim:
+		q, ok := l.seqs[c.Seq]
+		if !ok {
+			return l.bad(step, fmt.Errorf("%w: trim of sequence %d", stage.ErrUnknownSeq, c.Seq))
+		}
+		if err := e.Trim(q.local, c.Pos); err != nil {
+			return l.stepFailed(step, err)
+		}
+		if int(c.Pos) < len(q.history) {
+			q.history = q.history[:c.Pos]
+		}
+	case wire.OpRelease:
+		// Releasing what is not open is not an error: after an OPEN that
+		// failed part-way, the origin releases everywhere.
+		if q, ok := l.seqs[c.Seq]; ok {
+			delete(l.seqs, c.Seq)
+			if err := e.Release(q.local); err != nil {
+				l.log.Warn("releasing sequence", zap.Uint64("seq", uint64(c.Seq)), zap.Error(err))
+			}
+		}
+	}
+	// Re-encoded rather than passed through, so that only what was
+	// validated goes on.
+	f, err := wire.EncodeControl(step, c)
+	if err != nil {
+		return &failure{step: step, hop: l.st.Hop, from: fromHere, err: err}
+	}
+	return l.emit(f)
+}
+
+// run sends one batch through the engine and its output on: hidden states
+// to the next hop, or sampled tokens to the origin.
+func (l *link) run(step uint64, b *stage.Batch) error {
+	local := *b
+	local.Seqs = make([]stage.SeqID, len(b.Seqs))
+	for r, q := range b.Seqs {
+		st, ok := l.seqs[q]
+		if !ok {
+			return l.bad(step, fmt.Errorf("%w: step %d row %d names sequence %d", stage.ErrUnknownSeq, step, r, q))
+		}
+		local.Seqs[r] = st.local
+	}
+	if err := local.Validate(l.s.info); err != nil {
+		return l.bad(step, fmt.Errorf("%w: step %d: %w", wire.ErrBadFrame, step, err))
+	}
+	out, err := l.s.cfg.Engine.Forward(l.ctx, &local)
+	if err != nil {
+		if l.ctx.Err() != nil {
+			return context.Cause(l.ctx)
+		}
+		return l.stepFailed(step, err)
+	}
+	if !l.last {
+		next := &stage.Batch{Seqs: b.Seqs, Pos: b.Pos, Tokens: b.Tokens, Hidden: out.Hidden, Outputs: b.Outputs}
+		frames, err := splitFrames(step, next, l.st.WireDType, l.frameLimit)
+		if err != nil {
+			return l.stepFailed(step, err)
+		}
+		for _, f := range frames {
+			if err := l.emit(f); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return l.sample(step, b, out)
+}
+
+// sample picks each output row's next token with its sequence's sampler
+// and sends the tokens (and, if asked, the logits) to the origin.
+func (l *link) sample(step uint64, b *stage.Batch, out *stage.Output) error {
+	for r, q := range b.Seqs {
+		l.seqs[q].record(b.Pos[r], b.Tokens[r])
+	}
+	vocab := l.s.info.Vocab
+	if len(out.Logits) != len(b.Outputs)*vocab {
+		return l.stepFailed(step, fmt.Errorf("engine returned %d logits for %d output rows of %d", len(out.Logits), len(b.Outputs), vocab))
+	}
+	res := &wire.Sampled{
+		Seqs:   make([]stage.SeqID, len(b.Outputs)),
+		Pos:    make([]int32, len(b.Outputs)),
+		Tokens: make([]int32, len(b.Outputs)),
+	}
+	for i, row := range b.Outputs {
+		q := l.seqs[b.Seqs[row]]
+		// The history up to and including the row, as the origin would
+		// have it when sampling this token.
+		h := q.history[:min(len(q.history), int(b.Pos[row])+1)]
+		res.Seqs[i] = b.Seqs[row]
+		res.Pos[i] = b.Pos[row] + 1
+		res.Tokens[i] = q.sampler.Sample(out.LogitsRow(i, vocab), h)
+	}
+	if l.st.ReturnLogits && len(b.Outputs) > 0 {
+		f, err := wire.EncodeLogits(step, len(b.Outputs), vocab, out.Logits)
+		if err != nil {
+			return l.stepFailed(step, err)
+		}
+		if err := l.emit(f); err != nil {
+			return err
+		}
+	}
+	f, err := wire.EncodeSampled(step, res)
+	if err != nil {
+		return l.stepFailed(step, err)
+	}
+	return l.emit(f)
+}
+
+// emit sends a frame on its way: to the next hop, or to the origin.
+func (l *link) emit(f *meshnodev1.Frame) error {
+	if l.last {
+		select {
+		case l.rv.replies <- f:
+			return nil
+		case <-l.rv.retGone:
+			return &failure{hop: -1, from: fromHere, err: fmt.Errorf("%w: the origin's return stream closed", wire.ErrUnavailable)}
+		case <-l.ctx.Done():
+			return context.Cause(l.ctx)
+		}
+	}
+	select {
+	case l.out <- f:
+		return nil
+	case <-l.ctx.Done():
+		return context.Cause(l.ctx)
+	}
+}
+
+// sendUp sends an error to the previous hop; the stream may already be
+// gone, which is fine.
+func (l *link) sendUp(f *meshnodev1.Frame) {
+	l.upMu.Lock()
+	defer l.upMu.Unlock()
+	_ = l.up.Send(f)
+}
+
+// finish ends the link: a graceful end passes the end of stream on; a
+// failure tells the neighbours that need to know. Either way the
+// pipeline's sequences are released here.
+func (l *link) finish(err error) error {
+	defer l.release()
+	if err == nil {
+		l.drain(nil)
+		return nil
+	}
+	var fl *failure
+	if !errors.As(err, &fl) {
+		// The stream's context ended: the upstream peer went away, or
+		// this server is closing.
+		fl = &failure{hop: l.st.Hop - 1, from: fromUp, err: fmt.Errorf("%w: %w", wire.ErrUnavailable, err)}
+		if l.s.ctx.Err() != nil {
+			fl = &failure{hop: l.st.Hop, from: fromHere, err: err}
+		}
+	}
+	if fl.hop < -1 || fl.hop >= len(l.st.Route) {
+		fl.hop = -1
+	}
+	if fl.bad {
+		peer := l.from
+		if fl.hop >= 0 && fl.from == fromDown {
+			peer = l.st.Route[fl.hop].Peer
+		}
+		l.s.badPeer(peer, fl.err)
+	} else {
+		l.log.Info("pipeline link ends", zap.Int("blame", fl.hop), zap.Error(fl.err))
+	}
+	last := wire.EncodeHopError(fl.step, fl.hop, fl.err)
+	if fl.from != fromUp || fl.bad {
+		l.sendUp(last)
+	}
+	if fl.from == fromDown {
+		l.drain(nil)
+	} else {
+		l.drain(last)
+	}
+	code := fl.code
+	if code == codes.OK {
+		code = statusCode(fl.err)
+	}
+	return status.Error(code, fl.err.Error())
+}
+
+// drain ends the link's downstream side, after a final frame if given:
+// the queued frames and then end of stream go to the next hop, or the
+// replies' end to the return stream. It waits a bounded time for the next
+// hop to finish in turn, so that a graceful close travels down the route
+// in order; then the link's context is cancelled.
+func (l *link) drain(final *meshnodev1.Frame) {
+	defer l.cancel(nil)
+	wait := time.NewTimer(l.s.cfg.SetupTimeout)
+	defer wait.Stop()
+	if l.last {
+		if l.rv == nil {
+			return
+		}
+		if final != nil {
+			select {
+			case l.rv.replies <- final:
+			case <-l.rv.retGone:
+			case <-wait.C:
+			}
+		}
+		close(l.rv.replies)
+		l.s.detach(l.key, l.rv)
+		return
+	}
+	if l.down == nil {
+		return
+	}
+	if final != nil {
+		select {
+		case l.out <- final:
+		case <-l.sent:
+		case <-wait.C:
+		}
+	}
+	close(l.out)
+	select {
+	case <-l.sent:
+	case <-wait.C:
+		return
+	}
+	l.closeOnce.Do(func() { close(l.closing) })
+	_ = l.down.CloseSend()
+	select {
+	case <-l.watched:
+	case <-wait.C:
+	}
+}
+
+// release frees the engine slots of the pipeline's sequences.
+func (l *link) release() {
+	for q, st := range l.seqs {
+		if err := l.s.cfg.Engine.Release(st.local); err != nil {
+			l.log.Warn("releasing sequence", zap.Uint64("seq", uint64(q)), zap.Error(err))
+		}
+	}
+	clear(l.seqs)
+}
