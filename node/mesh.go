@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -20,6 +21,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/test/bufconn"
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/ggufstage/gguf"
@@ -154,13 +156,23 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 			log.Debug("weight range stream", zap.Error(err))
 		}
 	})
-	dial := h.GRPCDialer(StageProtocol)
+	// libp2p cannot dial its own peer, and a stage on this node is reached
+	// the same way as any other: through an in-memory listener.
+	selfLn := bufconn.Listen(1 << 20)
+	p2pDial := h.GRPCDialer(StageProtocol)
+	dial := func(ctx context.Context, addr string) (net.Conn, error) {
+		if addr == m.self {
+			return selfLn.DialContext(ctx)
+		}
+		return p2pDial(ctx, addr)
+	}
 	m.conns = pipeline.NewConns(grpc.WithContextDialer(dial), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	m.mux = &stageMux{}
 	m.grpcSrv = grpc.NewServer(wire.ServerOptions()...)
 	meshnodev1.RegisterStageServiceServer(m.grpcSrv, m.mux)
 	ln := h.Listen(StageProtocol)
-	go m.grpcSrv.Serve(ln) // stopped in close
+	go m.grpcSrv.Serve(ln)     // stopped in close
+	go m.grpcSrv.Serve(selfLn) // likewise
 
 	for _, addr := range cfg.Join {
 		if err := m.join(ctx, addr); err != nil {
@@ -381,6 +393,24 @@ func (m *mesh) run(ctx context.Context) {
 	}
 }
 
+// learnAddrs tells libp2p where gossip says each member listens, so that
+// a stage can reach a peer it was never introduced to.
+func (m *mesh) learnAddrs(members []membership.Member) {
+	ps := m.host.LibP2P().Peerstore()
+	for _, mem := range members {
+		if mem.Meta.PeerID == m.self {
+			continue
+		}
+		for _, a := range mem.Meta.Addrs {
+			ai, err := peer.AddrInfoFromString(a)
+			if err != nil || ai.ID.String() != mem.Meta.PeerID {
+				continue
+			}
+			ps.AddAddrs(ai.ID, ai.Addrs, 10*time.Minute)
+		}
+	}
+}
+
 // planModel describes the model to the planner.
 func planModel(mm *meshModel) planner.Model {
 	per, embed, head, kv := mm.info.Sizes()
@@ -410,6 +440,7 @@ func (m *mesh) reconcile(ctx context.Context) {
 	}
 
 	members := m.ml.Members()
+	m.learnAddrs(members)
 	var nodes []planner.Node
 	split := false
 	for _, mem := range members {
