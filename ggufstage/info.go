@@ -143,3 +143,6 @@ func ReadInfoFrom(r io.ReaderAt, size int64) (ModelInfo, error) {
 	}
 	return infoOf(f)
 }
+
+// InfoOf describes a header already read.
+func InfoOf(f *gguf.File) (ModelInfo, error) { return infoOf(f) }

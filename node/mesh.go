@@ -299,48 +299,119 @@ func (m *mesh) addLocalModel(path string) (*meshModel, error) {
 }
 
 // learnModel finds the mesh's model in a peer's announcement and reads its
-// header from that peer.
+// header from a peer that holds the file, or from its public source.
 func (m *mesh) learnModel(ctx context.Context) (*meshModel, error) {
 	for _, mem := range m.ml.Members() {
+		if mem.Meta.PeerID == m.self {
+			continue
+		}
 		for _, ref := range mem.Meta.Models {
-			if !ref.HasFile || mem.Meta.PeerID == m.self {
+			if !ref.HasFile && ref.Source == "" {
 				continue
 			}
-			src, err := m.openPeer(ctx, mem.Meta.PeerID, ref.ID)
+			src, err := m.openSource(ctx, ref)
 			if err != nil {
-				m.log.Warn("reading model header from peer", zap.String("peer", mem.Meta.PeerID), zap.Error(err))
+				m.log.Warn("reading the model header", zap.String("model", ref.Name), zap.Error(err))
 				continue
 			}
-			info, err := ggufstage.ReadInfoFrom(src, src.Size())
+			mm, err := m.adoptModel(ref, src)
 			if err != nil {
-				src.Close()
 				return nil, fmt.Errorf("model %s from %s: %w", ref.Name, mem.Meta.PeerID, err)
 			}
-			header, err := writeHeaderOnly(src, filepath.Join(m.cfg.DataDir, "models"), ref.ID)
-			src.Close()
-			if err != nil {
-				return nil, err
-			}
-			ref.HasFile = false
-			mm := &meshModel{ref: ref, info: info, header: header}
-			m.mu.Lock()
-			m.model = mm
-			m.meta.Models = []membership.ModelRef{ref}
-			m.mu.Unlock()
-			m.event("model", "learned model %s (%s, %d layers) from %s", ref.Name, info.Arch, info.Layers, mem.Meta.PeerID)
+			m.event("model", "learned model %s (%s, %d layers) from %s", ref.Name, mm.info.Arch, mm.info.Layers, shortID(mem.Meta.PeerID))
 			return mm, nil
 		}
 	}
 	return nil, nil
 }
 
-// writeHeaderOnly keeps a model's metadata as a GGUF with no tensors, so a
-// node that holds no layers can still tokenize and template.
-func writeHeaderOnly(src weights.RangeSource, dir, id string) (string, error) {
+// adoptModel makes a model whose file this node does not hold its own:
+// header read from src, kept as a tensor-less GGUF for the tokenizer.
+func (m *mesh) adoptModel(ref membership.ModelRef, src weights.RangeSource) (*meshModel, error) {
+	defer closeSource(src)
 	f, err := gguf.Read(ioSection(src), src.Size())
 	if err != nil {
-		return "", err
+		return nil, err
 	}
+	info, err := ggufstage.InfoOf(f)
+	if err != nil {
+		return nil, err
+	}
+	header, err := writeHeaderOnly(f, filepath.Join(m.cfg.DataDir, "models"), ref.ID)
+	if err != nil {
+		return nil, err
+	}
+	ref.HasFile = false
+	mm := &meshModel{ref: ref, info: info, header: header}
+	m.mu.Lock()
+	m.model = mm
+	m.meta.Models = []membership.ModelRef{ref}
+	m.mu.Unlock()
+	return mm, nil
+}
+
+func closeSource(src weights.RangeSource) {
+	if c, ok := src.(io.Closer); ok {
+		c.Close()
+	}
+}
+
+// addRemoteModel serves a model that lives on Hugging Face: only its
+// header is read now; each node fetches its own layers' bytes.
+func (m *mesh) addRemoteModel(ctx context.Context, url string) (*meshModel, error) {
+	ref, err := weights.ParseHFURL(url)
+	if err != nil {
+		return nil, err
+	}
+	src, err := weights.OpenHF(ctx, ref, weights.HFOptions{})
+	if err != nil {
+		return nil, err
+	}
+	return m.adoptModel(membership.ModelRef{ID: src.ID(), Name: modelName(ref.File), Source: url,
+		Split: m.cfg.Split, Context: m.cfg.Context, Parallel: m.cfg.Parallel}, src)
+}
+
+// openSource opens the model's bytes: from a peer holding the file when
+// the ref says so, else from its public source.
+func (m *mesh) openSource(ctx context.Context, ref membership.ModelRef) (weights.RangeSource, error) {
+	var errs []error
+	for _, mem := range m.ml.Members() {
+		if mem.Meta.PeerID == m.self {
+			continue
+		}
+		for _, r := range mem.Meta.Models {
+			if r.ID == ref.ID && r.HasFile {
+				src, err := m.openPeer(ctx, mem.Meta.PeerID, ref.ID)
+				if err == nil {
+					return src, nil
+				}
+				errs = append(errs, err)
+			}
+		}
+	}
+	if ref.Source != "" {
+		hf, err := weights.ParseHFURL(ref.Source)
+		if err != nil {
+			return nil, err
+		}
+		src, err := weights.OpenHF(ctx, hf, weights.HFOptions{})
+		if err != nil {
+			return nil, err
+		}
+		if src.ID() != ref.ID {
+			return nil, fmt.Errorf("%s now has content %s, the mesh serves %s", ref.Source, src.ID(), ref.ID)
+		}
+		return src, nil
+	}
+	if len(errs) == 0 {
+		return nil, errors.New("no peer holds the model file and it has no public source")
+	}
+	return nil, errors.Join(errs...)
+}
+
+// writeHeaderOnly keeps a model's metadata as a GGUF with no tensors, so a
+// node that holds no layers can still tokenize and template.
+func writeHeaderOnly(f *gguf.File, dir, id string) (string, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", err
 	}
@@ -579,34 +650,21 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 	return nil
 }
 
-// fetchSlice gets a stage's bytes from a peer that holds the model file.
+// fetchSlice gets a stage's bytes from a peer that holds the model file,
+// or from the model's public source.
 func (m *mesh) fetchSlice(ctx context.Context, mm *meshModel, start, end int) (string, uint64, error) {
-	var errs []error
-	for _, mem := range m.ml.Members() {
-		for _, ref := range mem.Meta.Models {
-			if ref.ID != mm.ref.ID || !ref.HasFile || mem.Meta.PeerID == m.self {
-				continue
-			}
-			src, err := m.openPeer(ctx, mem.Meta.PeerID, ref.ID)
-			if err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			res, err := weights.FetchSliceWith(ctx, src, filepath.Join(m.cfg.DataDir, "slices"), start, end,
-				weights.FetchOptions{Progress: weights.Progress(m.cfg.Progress)})
-			src.Close()
-			if err != nil {
-				errs = append(errs, fmt.Errorf("from %s: %w", mem.Meta.PeerID, err))
-				continue
-			}
-			m.event("fetch", "fetched layers [%d,%d) from %s: %s", start, end, shortID(mem.Meta.PeerID), humanBytes(res.Fetched))
-			return res.Path, res.Fetched, nil
-		}
+	src, err := m.openSource(ctx, mm.ref)
+	if err != nil {
+		return "", 0, err
 	}
-	if len(errs) == 0 {
-		return "", 0, errors.New("no peer holds the model file")
+	defer closeSource(src)
+	res, err := weights.FetchSliceWith(ctx, src, filepath.Join(m.cfg.DataDir, "slices"), start, end,
+		weights.FetchOptions{Progress: weights.Progress(m.cfg.Progress)})
+	if err != nil {
+		return "", 0, err
 	}
-	return "", 0, errors.Join(errs...)
+	m.event("fetch", "fetched layers [%d,%d) from %s: %s", start, end, src, humanBytes(res.Fetched))
+	return res.Path, res.Fetched, nil
 }
 
 // ensurePipeline builds the pipeline for this node's requests when the

@@ -136,7 +136,12 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	defer m.close()
 
-	if cfg.Model != "" || len(cfg.Join) == 0 {
+	if strings.HasPrefix(cfg.Model, "hf://") {
+		if _, err := m.addRemoteModel(ctx, cfg.Model); err != nil {
+			return fmt.Errorf("opening %s: %w", cfg.Model, err)
+		}
+		m.publish()
+	} else if cfg.Model != "" || len(cfg.Join) == 0 {
 		path := cfg.Model
 		if path == "" {
 			path, err = weights.DefaultModel(ctx, cfg.CacheDir, weights.Progress(cfg.Progress))

@@ -24,6 +24,9 @@ type ModelRef struct {
 	Split    bool // spread over every ready node even when it fits one
 	Context  int  // positions per sequence
 	Parallel int  // sequences at once
+	// Source is where nodes without the file fetch it from when no peer
+	// holds it, e.g. hf://ORG/REPO/FILE.gguf.
+	Source string
 }
 
 // Serve is a slice of a model a node serves: layers [Start, End).
@@ -80,6 +83,7 @@ type wireModel struct {
 	S bool   `json:"s,omitempty"`
 	C int    `json:"c,omitempty"`
 	P int    `json:"p,omitempty"`
+	U string `json:"u,omitempty"`
 }
 
 type wireServe struct {
@@ -133,7 +137,7 @@ const maxStateStr = 32
 func toCold(m Meta) cold {
 	c := cold{N: m.Name, A: m.Addrs, H: m.HTTP, E: m.Engine, B: m.Backend}
 	for _, x := range m.Models {
-		c.M = append(c.M, wireModel{I: x.ID, N: x.Name, F: x.HasFile, S: x.Split, C: x.Context, P: x.Parallel})
+		c.M = append(c.M, wireModel{I: x.ID, N: x.Name, F: x.HasFile, S: x.Split, C: x.Context, P: x.Parallel, U: x.Source})
 	}
 	for _, s := range m.Serving {
 		c.SV = append(c.SV, wireServe{M: s.Model, S: s.Start, E: s.End})
@@ -158,7 +162,7 @@ func (c cold) apply(m *Meta) {
 	m.Name, m.Addrs, m.HTTP, m.Engine, m.Backend = c.N, c.A, c.H, c.E, c.B
 	m.Models, m.Serving, m.Pins = nil, nil, nil
 	for _, x := range c.M {
-		m.Models = append(m.Models, ModelRef{ID: x.I, Name: x.N, HasFile: x.F, Split: x.S, Context: x.C, Parallel: x.P})
+		m.Models = append(m.Models, ModelRef{ID: x.I, Name: x.N, HasFile: x.F, Split: x.S, Context: x.C, Parallel: x.P, Source: x.U})
 	}
 	for _, s := range c.SV {
 		m.Serving = append(m.Serving, Serve{Model: s.M, Start: s.S, End: s.E})
