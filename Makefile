@@ -15,7 +15,7 @@ export CGO_CXXFLAGS = -O3 -march=$(MARCH)
 export CGO_CPPFLAGS = -DGGML_USE_CPU_REPACK $(GGML_INC)
 TAGS      ?= repack
 
-.PHONY: build portable test vet proto bench clean env serve
+.PHONY: build portable test fuzz vet proto bench clean env serve
 
 build:
 	$(GO) build -tags '$(TAGS)' -o bin/meshnode ./cmd/meshnode
@@ -30,7 +30,18 @@ env:
 
 test:
 	$(GO) vet -tags '$(TAGS)' ./...
+	test -z "$$(gofmt -l .)" || (gofmt -l .; echo "gofmt: the files above need formatting"; exit 1)
 	$(GO) test -tags '$(TAGS)' -count=1 -timeout 60m ./...
+	$(GO) test -race -count=1 -timeout 20m ./stage/... ./node/planner/ ./node/membership/ ./node/openai/ ./node/text/ ./node/sample/ ./node/wire/ ./node/weights/ ./ggufstage/gguf/
+	$(MAKE) fuzz
+
+# Each fuzz target runs for FUZZTIME on top of its committed seed corpus.
+FUZZTIME ?= 10s
+fuzz:
+	$(GO) test -tags '$(TAGS)' -run '^$$' -fuzz '^FuzzRead$$' -fuzztime $(FUZZTIME) ./ggufstage/gguf/
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime $(FUZZTIME) ./node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzRender$$' -fuzztime $(FUZZTIME) ./node/text/
+	$(GO) test -run '^$$' -fuzz '^FuzzStream$$' -fuzztime $(FUZZTIME) ./node/text/
 
 vet:
 	$(GO) vet -tags '$(TAGS)' ./...
