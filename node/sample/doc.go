@@ -23,9 +23,10 @@
 // # Reproducibility
 //
 // The same Params (with a Seed), logits and history give the same tokens.
-// Every non-greedy Sample call takes exactly one number from the random
-// stream, and Sampler.MarshalBinary captures the position in it, so a
-// request moved to another node continues the identical token stream there.
+// The random number behind a token depends only on the seed and the token's
+// position, so a request moved to another pipeline and replayed from its
+// history continues the identical token stream: there is no sampler state
+// to carry.
 // The arithmetic avoids per-architecture math routines, so nodes of
 // different architectures agree when their logits do.
 //

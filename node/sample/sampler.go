@@ -1,9 +1,6 @@
 package sample
 
 import (
-	"bytes"
-	"errors"
-	"fmt"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -15,6 +12,7 @@ import (
 type Sampler struct {
 	p      Params
 	window int // penalty window; -1 is the whole history
+	seed   uint64
 	src    *rand.PCG
 	rng    *rand.Rand
 
@@ -45,7 +43,7 @@ func New(p Params) *Sampler {
 		window = DefaultRepeatLastN
 	}
 	src := rand.NewPCG(seed, pcgStream)
-	return &Sampler{p: p, window: window, src: src, rng: rand.New(src), counts: map[int32]int32{}}
+	return &Sampler{p: p, window: window, seed: seed, src: src, rng: rand.New(src), counts: map[int32]int32{}}
 }
 
 // Sample returns the next token given the logits over the vocabulary and the
@@ -53,11 +51,17 @@ func New(p Params) *Sampler {
 // It returns -1 for empty logits. Each call that is not greedy consumes
 // exactly one number from the random stream, whatever the logits, so the
 // stream stays aligned with the token count.
+//
+// The random number for a token is a function of the seed and the token's
+// position (len(history)) alone: a generation replayed from its history on
+// another pipeline, by a new Sampler with the same seed, draws exactly the
+// tokens the first run drew.
 func (s *Sampler) Sample(logits []float32, history []int32) int32 {
 	cs, pick := s.candidates(logits, history)
 	if pick >= 0 || len(cs) == 0 {
 		return pick
 	}
+	s.src.Seed(s.seed, pcgStream^uint64(len(history)))
 	return s.draw(cs)
 }
 
@@ -399,35 +403,4 @@ func (s *Sampler) topK(l []float32, k int) []cand {
 	}
 	slices.SortFunc(h, compareCands)
 	return h
-}
-
-// stateMagic prefixes the encoded state so a foreign blob is rejected; the
-// last byte is the format version.
-const stateMagic = "mnsample\x01"
-
-// MarshalBinary encodes the position in the random stream. A request moved
-// to another node (a failed or rebalanced pipeline) must continue the
-// identical token stream: the new node builds a Sampler from the same
-// Params, restores this state with UnmarshalBinary, and its next draws are
-// the ones the old node would have made. Params are not included; they
-// travel with the request.
-func (s *Sampler) MarshalBinary() ([]byte, error) {
-	b, err := s.src.MarshalBinary()
-	if err != nil {
-		return nil, fmt.Errorf("encoding sampler state: %w", err)
-	}
-	return append([]byte(stateMagic), b...), nil
-}
-
-// UnmarshalBinary restores a position in the random stream saved by
-// MarshalBinary.
-func (s *Sampler) UnmarshalBinary(data []byte) error {
-	rest, ok := bytes.CutPrefix(data, []byte(stateMagic))
-	if !ok {
-		return errors.New("decoding sampler state: not a meshnode sampler state")
-	}
-	if err := s.src.UnmarshalBinary(rest); err != nil {
-		return fmt.Errorf("decoding sampler state: %w", err)
-	}
-	return nil
 }

@@ -49,6 +49,11 @@ type Config struct {
 	Parallel    int // sequences generating at once; at most the pipeline's MaxSeqs
 	BatchTokens int // most tokens in one forward pass
 	QueueSize   int // requests waiting for a slot before new ones are refused
+	// RecoverTimeout bounds how long a sequence whose pipeline broke waits
+	// for a new one before its request fails; 0 means 30 s.
+	RecoverTimeout time.Duration
+	// MaxRecoveries bounds how often one sequence is replayed; 0 means 3.
+	MaxRecoveries int
 }
 
 // Request is one generation.
@@ -85,6 +90,7 @@ type Stats struct {
 	Forwards         uint64
 	ForwardSeconds   float64
 	Requests, Failed uint64
+	Replays          uint64 // sequences replayed after a pipeline broke
 }
 
 // Scheduler owns the pipeline: only its Run goroutine calls Forward.
@@ -119,6 +125,12 @@ func New(pipe Pipeline, tok Tokenizer, cfg Config, log *zap.Logger) *Scheduler {
 	if cfg.QueueSize <= 0 {
 		cfg.QueueSize = 64
 	}
+	if cfg.RecoverTimeout <= 0 {
+		cfg.RecoverTimeout = 30 * time.Second
+	}
+	if cfg.MaxRecoveries <= 0 {
+		cfg.MaxRecoveries = 3
+	}
 	if log == nil {
 		log = zap.NewNop()
 	}
@@ -146,9 +158,20 @@ type seq struct {
 	fed       int     // tokens already through the model
 	generated int
 	opened    bool
+
+	// A sequence whose pipeline broke is replayed: reopened on the next
+	// pipeline with its whole history as the prompt. waitUntil bounds the
+	// wait for that pipeline (zero while none is awaited).
+	waitUntil  time.Time
+	recoveries int
+	replayed   int // tokens re-fed by replays, not counted as prompt again
 }
 
-func (q *seq) prefilling() bool { return q.fed < len(q.req.Prompt) }
+// pending is the number of tokens to feed before the next token can be
+// sampled: the prompt (or, after a replay, the whole history), then one.
+func (q *seq) pending() int { return len(q.tokens) - q.fed }
+
+func (q *seq) prefilling() bool { return q.pending() > 1 }
 
 // Submit queues a request. The returned channel gets text pieces and a final
 // event, then closes. Cancelling ctx abandons the request and frees its slot.
@@ -166,6 +189,12 @@ func (s *Scheduler) Submit(ctx context.Context, r Request) (<-chan Event, error)
 	}
 	if err := r.Sampling.Validate(); err != nil {
 		return nil, err
+	}
+	if r.Sampling.Seed == nil {
+		// Fix the seed now: a generation replayed on a new pipeline after a
+		// failure must draw the same tokens it would have drawn.
+		seed := rand.Int64()
+		r.Sampling.Seed = &seed
 	}
 	stops, err := text.NewStopMatcher(r.Stop)
 	if err != nil {
@@ -257,19 +286,30 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		slotsFull := false
 		for len(active) < s.cfg.Parallel && len(waiting) > 0 {
 			q := waiting[0]
-			if err := s.pipe.Open(q.id, q.req.Sampling, q.req.Prompt); err != nil {
+			if err := s.pipe.Open(q.id, q.req.Sampling, q.tokens); err != nil {
 				if errors.Is(err, stage.ErrNoSlot) {
 					// Stages are shared by every entry node: wait for a
 					// slot rather than fail.
 					slotsFull = true
 					break
 				}
+				// No pipeline right now (a replan is under way): wait for
+				// one, within the recovery bound.
+				now := time.Now()
+				if q.waitUntil.IsZero() {
+					q.waitUntil = now.Add(s.cfg.RecoverTimeout)
+				}
+				if now.Before(q.waitUntil) {
+					slotsFull = true
+					break
+				}
 				waiting = waiting[1:]
-				s.finish(q, Event{Err: fmt.Errorf("opening sequence: %w", err)})
+				s.finish(q, Event{Err: fmt.Errorf("no pipeline could be formed within %s: %w", s.cfg.RecoverTimeout, err)})
 				continue
 			}
 			waiting = waiting[1:]
 			q.opened = true
+			q.waitUntil = time.Time{}
 			active = append(active, q)
 		}
 		s.mu.Lock()
@@ -284,7 +324,9 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			}
 			continue
 		}
-		active = s.step(ctx, active)
+		var replay []*seq
+		active, replay = s.step(ctx, active)
+		waiting = append(replay, waiting...)
 	}
 }
 
@@ -297,11 +339,13 @@ func (s *Scheduler) dropIfGone(q *seq) bool {
 }
 
 // step runs one forward pass over the active sequences and returns those
-// still generating.
-func (s *Scheduler) step(ctx context.Context, active []*seq) []*seq {
+// still generating, and those to replay on a new pipeline.
+func (s *Scheduler) step(ctx context.Context, active []*seq) (next, replay []*seq) {
 	ws := make([]want, len(active))
 	for i, q := range active {
-		ws[i] = want{prefill: max(len(q.req.Prompt)-q.fed, 0)}
+		if q.prefilling() {
+			ws[i] = want{prefill: q.pending()}
+		}
 	}
 	take := planBatch(ws, s.cfg.BatchTokens)
 
@@ -320,7 +364,7 @@ func (s *Scheduler) step(ctx context.Context, active []*seq) []*seq {
 		}
 	}
 	if b.Rows() == 0 {
-		return active
+		return active, nil
 	}
 
 	start := time.Now()
@@ -334,11 +378,28 @@ func (s *Scheduler) step(ctx context.Context, active []*seq) []*seq {
 		err = fmt.Errorf("pipeline returned %d tokens for %d output rows", len(toks), len(outs))
 	}
 	if err != nil {
-		s.log.Error("forward pass failed", zap.Error(err), zap.Int("rows", b.Rows()))
+		// The pipeline broke (a stage died, stalled or sent garbage): replay
+		// every sequence on the next one. Each keeps its history, so the
+		// client sees neither a gap nor a repeat.
+		s.log.Warn("forward pass failed; replaying sequences on the next pipeline", zap.Error(err), zap.Int("sequences", len(active)))
+		s.mu.Lock()
+		s.stats.Replays += uint64(len(active))
+		s.mu.Unlock()
 		for _, q := range active {
-			s.finish(q, Event{Err: fmt.Errorf("forward pass: %w", err)})
+			if q.opened {
+				s.pipe.Release(q.id) // best effort: the old pipeline may be gone
+				q.opened = false
+			}
+			q.recoveries++
+			if q.recoveries > s.cfg.MaxRecoveries {
+				s.finish(q, Event{Err: fmt.Errorf("forward pass failed %d times: %w", q.recoveries, err)})
+				continue
+			}
+			q.replayed += q.fed
+			q.fed = 0
+			replay = append(replay, q)
 		}
-		return nil
+		return nil, replay
 	}
 	var prompt uint64
 	for i, q := range active {
@@ -358,7 +419,7 @@ func (s *Scheduler) step(ctx context.Context, active []*seq) []*seq {
 			finished[q] = true
 		}
 	}
-	return slices.DeleteFunc(active, func(q *seq) bool { return finished[q] })
+	return slices.DeleteFunc(active, func(q *seq) bool { return finished[q] }), nil
 }
 
 // accept appends a sampled token, streams its text, and says whether the

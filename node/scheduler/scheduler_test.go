@@ -273,3 +273,87 @@ func TestOverloadAndContext(t *testing.T) {
 		collect(t, ch)
 	}
 }
+
+// flaky breaks like a mesh pipeline whose stage dies: one forward pass
+// fails, then Open is refused for a while (the replan), then all is well.
+type flaky struct {
+	Pipeline
+	mu         sync.Mutex
+	calls      int
+	failAt     int
+	refuseOpen int
+}
+
+func (f *flaky) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
+	f.mu.Lock()
+	f.calls++
+	fail := f.calls == f.failAt
+	f.mu.Unlock()
+	if fail {
+		return nil, errors.New("hop 1: connection reset")
+	}
+	return f.Pipeline.Forward(ctx, b)
+}
+
+func (f *flaky) Open(seq stage.SeqID, p sample.Params, prompt []int32) error {
+	f.mu.Lock()
+	broken := f.calls >= f.failAt && f.refuseOpen > 0
+	if broken {
+		f.refuseOpen--
+	}
+	f.mu.Unlock()
+	if broken {
+		return errors.New("the mesh has no complete pipeline yet")
+	}
+	return f.Pipeline.Open(seq, p, prompt)
+}
+
+// TestReplayAfterPipelineFailure: a pipeline failure mid-generation is
+// invisible to the client: the same text as an uninterrupted run, greedy
+// and seeded.
+func TestReplayAfterPipelineFailure(t *testing.T) {
+	seed := int64(7)
+	sampled := sample.DefaultParams()
+	sampled.Seed = &seed
+	for _, tc := range []struct {
+		name   string
+		params sample.Params
+	}{{"greedy", greedy()}, {"seeded", sampled}} {
+		t.Run(tc.name, func(t *testing.T) {
+			run := func(failAt int) (string, Stats) {
+				eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 4, Context: 512})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer eng.Close()
+				tok, _ := ggufstage.LoadTokenizer(storiesPath)
+				pipe := &flaky{Pipeline: Local(eng), failAt: failAt, refuseOpen: 5}
+				s := New(pipe, tok, Config{Parallel: 2, RecoverTimeout: 10 * time.Second}, nil)
+				ctx, cancel := context.WithCancel(context.Background())
+				done := make(chan struct{})
+				go func() { s.Run(ctx); close(done) }()
+				defer func() { cancel(); <-done }()
+				prompt, _ := tok.Encode("Once upon a time", true)
+				ch, err := s.Submit(context.Background(), Request{Prompt: prompt, MaxTokens: 40, Sampling: tc.params})
+				if err != nil {
+					t.Fatal(err)
+				}
+				text, last := collect(t, ch)
+				if !last.Done || last.CompletionTokens != 40 {
+					t.Fatalf("final event %+v", last)
+				}
+				return text, s.Stats()
+			}
+			want, _ := run(-1)
+			for _, at := range []int{2, 10, 30} {
+				got, st := run(at)
+				if got != want {
+					t.Errorf("failure at pass %d:\n got %q\nwant %q", at, got, want)
+				}
+				if st.Replays != 1 {
+					t.Errorf("failure at pass %d: %d replays, want 1", at, st.Replays)
+				}
+			}
+		})
+	}
+}
