@@ -68,6 +68,8 @@ type mesh struct {
 	remote *pipeline.Pipeline // pipe, when it spans other nodes
 	events []MeshEvent
 	meta   membership.Meta
+	// draining is set when the node is leaving on purpose.
+	draining bool
 }
 
 // meshModel is the model the mesh serves.
@@ -556,6 +558,15 @@ func (m *mesh) reconcile(ctx context.Context) {
 
 	// Serve our share.
 	want, serving := plan.StageOf(m.self)
+	m.mu.Lock()
+	draining, local := m.draining, m.local
+	m.mu.Unlock()
+	if draining && !serving && local != nil {
+		// Leaving: keep serving our layers to the pipelines that still use
+		// them until we exit; the others are moving off them now.
+		m.ensurePipeline(ctx, mm, plan, members)
+		return
+	}
 	if err := m.applyStage(ctx, mm, want, serving); err != nil {
 		m.event("error", "loading layers [%d,%d): %v", want.Start, want.End, err)
 		return
@@ -596,19 +607,10 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 	if cur != nil && serving && cur.start == want.Start && cur.end == want.End {
 		return nil
 	}
-	if cur != nil {
-		m.mux.set(nil)
-		m.mu.Lock()
-		m.local = nil
-		if m.pipe != nil && m.remote == nil {
-			m.pipe = nil // a local pipe ran on this engine
-		}
-		m.meta.Serving = nil
-		m.mu.Unlock()
-		cur.close()
-		m.event("unload", "stopped serving layers [%d,%d)", cur.start, cur.end)
-	}
 	if !serving {
+		if cur != nil {
+			m.dropStage(cur)
+		}
 		m.setState(membership.NodeReady)
 		return nil
 	}
@@ -640,14 +642,36 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 		ls.engine.Close()
 		return err
 	}
+	// The new stage is up before the old one goes: no moment without one.
 	m.mux.set(ls.server)
 	m.mu.Lock()
 	m.local = ls
+	if m.pipe != nil && m.remote == nil {
+		m.pipe = nil // a local pipe ran on the old engine
+	}
 	m.meta.Serving = []membership.Serve{{Model: mm.ref.ID, Start: want.Start, End: want.End}}
 	m.mu.Unlock()
+	if cur != nil {
+		cur.close()
+		m.event("unload", "stopped serving layers [%d,%d)", cur.start, cur.end)
+	}
 	m.setState(membership.NodeReady)
 	m.event("load", "serving layers [%d,%d) of %s (%s of weights)", want.Start, want.End, mm.ref.Name, humanBytes(ls.engine.WeightBytes()))
 	return nil
+}
+
+// dropStage stops serving a layer range.
+func (m *mesh) dropStage(cur *localStage) {
+	m.mux.set(nil)
+	m.mu.Lock()
+	m.local = nil
+	if m.pipe != nil && m.remote == nil {
+		m.pipe = nil // a local pipe ran on this engine
+	}
+	m.meta.Serving = nil
+	m.mu.Unlock()
+	cur.close()
+	m.event("unload", "stopped serving layers [%d,%d)", cur.start, cur.end)
 }
 
 // fetchSlice gets a stage's bytes from a peer that holds the model file,
@@ -747,6 +771,56 @@ func (m *mesh) publish() {
 	if err := m.ml.UpdateMeta(meta); err != nil {
 		m.log.Warn("publishing metadata", zap.Error(err))
 	}
+}
+
+// drain announces that this node is leaving, so that the others plan
+// without it (and fetch the layers it served while it still serves them).
+func (m *mesh) drain() {
+	m.mu.Lock()
+	m.draining = true
+	m.meta.State = membership.NodeDraining
+	m.mu.Unlock()
+	m.publish()
+	m.event("drain", "draining: the mesh is moving this node's layers elsewhere")
+}
+
+// servableWithout reports whether the other ready nodes serve every layer
+// of the model between them: then this node can leave without a gap.
+func (m *mesh) servableWithout() bool {
+	m.mu.Lock()
+	mm := m.model
+	m.mu.Unlock()
+	if mm == nil {
+		return true
+	}
+	covered := make([]bool, mm.info.Layers)
+	others := 0
+	for _, mem := range m.ml.Members() {
+		if mem.Meta.PeerID == m.self || mem.Meta.State == membership.NodeDraining {
+			continue
+		}
+		others++ // loading counts: it is about to take layers over
+		if mem.Meta.State != membership.NodeReady {
+			continue
+		}
+		for _, s := range mem.Meta.Serving {
+			if s.Model != mm.ref.ID {
+				continue
+			}
+			for l := max(s.Start, 0); l < min(s.End, len(covered)); l++ {
+				covered[l] = true
+			}
+		}
+	}
+	if others == 0 {
+		return true // alone: nobody to hand over to
+	}
+	for _, c := range covered {
+		if !c {
+			return false
+		}
+	}
+	return true
 }
 
 // current is what a request runs on now.

@@ -13,6 +13,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -59,6 +61,10 @@ type Config struct {
 	Ready func(addr string)
 	// JoinCommand, if set, gets the command that adds a machine to the mesh.
 	JoinCommand func(cmd string)
+	// DrainTimeout bounds a graceful leave (ctx cancelled or POST
+	// /api/leave): how long the node waits for its requests to finish and
+	// for the mesh to serve without it. 0 means 60 s; negative skips it.
+	DrainTimeout time.Duration
 }
 
 // DefaultHTTPAddr is loopback: exposing the API is an explicit choice.
@@ -197,9 +203,16 @@ func Run(ctx context.Context, cfg Config) error {
 		Logger:       log.Named("http"),
 		Health:       served.health,
 	})
+	leave := make(chan struct{})
+	var leaveOnce sync.Once
 	mux := http.NewServeMux()
 	mux.Handle("/", api)
 	mux.Handle("/api/", requireKey(cfg.APIKey, http.HandlerFunc(m.serveStatus)))
+	mux.Handle("POST /api/leave", requireKey(cfg.APIKey, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		leaveOnce.Do(func() { close(leave) })
+		w.Header().Set("Content-Type", "application/json")
+		w.Write([]byte(`{"status":"draining"}` + "\n"))
+	})))
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 
 	schedDone := make(chan error, 1)
@@ -226,6 +239,9 @@ func Run(ctx context.Context, cfg Config) error {
 	var runErr error
 	select {
 	case <-ctx.Done():
+		served.drain(cfg.DrainTimeout, log)
+	case <-leave:
+		served.drain(cfg.DrainTimeout, log)
 	case err := <-srvDone:
 		runErr = fmt.Errorf("HTTP server: %w", err)
 	case err := <-schedDone:
@@ -261,12 +277,13 @@ func checkExposure(addr, key string) error {
 
 // Model is the mesh's model as this node serves it over HTTP.
 type Model struct {
-	id      string
-	created int64
-	info    stage.Info
-	tok     *ggufstage.Tokenizer
-	sched   *scheduler.Scheduler
-	mesh    *mesh
+	id       string
+	created  int64
+	info     stage.Info
+	tok      *ggufstage.Tokenizer
+	sched    *scheduler.Scheduler
+	mesh     *mesh
+	draining atomic.Bool
 }
 
 func newServed(m *mesh, mm *meshModel, cfg Config, log *zap.Logger) (*Model, error) {
@@ -296,10 +313,39 @@ func newServed(m *mesh, mm *meshModel, cfg Config, log *zap.Logger) (*Model, err
 }
 
 func (s *Model) health() error {
+	if s.draining.Load() {
+		return errDraining
+	}
 	if s.mesh.current() == nil {
 		return errNoPipeline
 	}
 	return nil
+}
+
+var errDraining = errors.New("this node is leaving the mesh")
+
+// drain leaves gracefully: no new requests, the mesh moves this node's
+// layers elsewhere, requests in flight finish (or move with the layers),
+// all within timeout.
+func (s *Model) drain(timeout time.Duration, log *zap.Logger) {
+	if timeout < 0 {
+		return
+	}
+	if timeout == 0 {
+		timeout = 60 * time.Second
+	}
+	s.draining.Store(true)
+	s.mesh.drain()
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		st := s.sched.Stats()
+		if st.Active == 0 && st.Waiting == 0 && s.mesh.servableWithout() {
+			log.Info("drained: leaving the mesh")
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	log.Warn("drain timed out; leaving anyway", zap.Duration("timeout", timeout))
 }
 
 func modelName(path string) string {

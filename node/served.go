@@ -50,8 +50,8 @@ func (m *Model) Prompt(s string) ([]int32, error) { return m.tok.Encode(s, true)
 
 // Generate submits to the scheduler and relays its events.
 func (m *Model) Generate(ctx context.Context, req openai.GenerateRequest) (<-chan openai.Event, error) {
-	if m.mesh.current() == nil {
-		return nil, fmt.Errorf("%w: %w", openai.ErrUnavailable, errNoPipeline)
+	if err := m.health(); err != nil {
+		return nil, fmt.Errorf("%w: %w", openai.ErrUnavailable, err)
 	}
 	in, err := m.sched.Submit(ctx, scheduler.Request{
 		ID: req.RequestID, Prompt: req.Prompt, MaxTokens: req.MaxTokens, Stop: req.Stop,

@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/meshnode/meshnode/node/bench"
 )
@@ -16,8 +18,19 @@ func runBench(ctx context.Context, args []string) error {
 ollama's stock engine on the same file in the same run, and prints the
 ratio. Runs alternate between the engines; medians are reported.
 
+With --mesh it measures the mesh instead: for each stage count of --stages
+it starts that many meshnode processes on this machine (serve --split, then
+join), waits for a plan of exactly that many stages, and measures decode
+tok/s of --streams concurrent streaming completions through node 1's API
+(a --prompt of 64 token ids, --decode tokens, temperature 0), with the ratio
+to the 1-stage mesh. --netns-delay D also runs every node in its own
+network namespace (root and iproute2; a bridge on 10.77.1.0/24) with a
+netem delay D on each node's veth; 0 gives namespaces without delay.
+
 Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen-model --preset 1b --type q4_0 --out /tmp/1b-q4_0.gguf
-  meshnode bench --model /tmp/1b-q4_0.gguf --runs 3`)
+  meshnode bench --model /tmp/1b-q4_0.gguf --runs 3
+  meshnode bench --mesh --model /tmp/1b-q4_0.gguf
+  sudo meshnode bench --mesh --model /tmp/1b-q4_0.gguf --stages 1,2,3 --netns-delay 1ms`)
 	var cfg bench.Config
 	fs.StringVar(&cfg.Model, "model", "", "GGUF model to measure (required)")
 	fs.IntVar(&cfg.Threads, "threads", 0, "CPU threads; 0 = all cores")
@@ -27,6 +40,10 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	fs.BoolVar(&cfg.FlashAttn, "flash-attn", false, "use the fused attention kernel in both engines")
 	fs.BoolVar(&cfg.SkipReference, "no-reference", false, "skip ollama's stock engine")
 	streams := fs.String("streams", "1,8", "comma-separated concurrent sequence counts")
+	mesh := fs.Bool("mesh", false, "measure meshes of --stages processes on this machine through the OpenAI API")
+	stages := fs.String("stages", "1,2,3", "with --mesh: comma-separated stage (process) counts")
+	netnsDelay := fs.String("netns-delay", "", "with --mesh: also run each node in its own network namespace with this netem delay (e.g. 1ms; 0 = none; needs root)")
+	netnsOnly := fs.Bool("netns-only", false, "with --mesh and --netns-delay: skip the loopback meshes")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -34,12 +51,44 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		fs.Usage()
 		return errUsage
 	}
-	for _, s := range strings.Split(*streams, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(s))
-		if err != nil || n < 1 {
-			return fmt.Errorf("--streams: bad count %q", s)
+	var err error
+	if cfg.Streams, err = parseCounts("--streams", *streams); err != nil {
+		return err
+	}
+	if *mesh {
+		mc := bench.MeshConfig{
+			Model: cfg.Model, Streams: cfg.Streams, DecodeTokens: cfg.DecodeTokens, Runs: cfg.Runs,
+			Threads: cfg.Threads, SkipLoopback: *netnsOnly,
 		}
-		cfg.Streams = append(cfg.Streams, n)
+		set := map[string]bool{}
+		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+		if set["prompt"] {
+			mc.PromptTokens = cfg.PromptTokens // else the mesh's own default, 64
+		}
+		if cfg.FlashAttn {
+			mc.NodeArgs = append(mc.NodeArgs, "--flash-attn")
+		}
+		if mc.Stages, err = parseCounts("--stages", *stages); err != nil {
+			return err
+		}
+		if *netnsDelay != "" {
+			d, err := time.ParseDuration(*netnsDelay)
+			if *netnsDelay == "0" {
+				d, err = 0, nil
+			}
+			if err != nil || d < 0 {
+				return fmt.Errorf("--netns-delay %q: want a duration such as 1ms, or 0", *netnsDelay)
+			}
+			mc.Netns, mc.NetnsDelay = true, d
+		} else if *netnsOnly {
+			return fmt.Errorf("--netns-only needs --netns-delay")
+		}
+		rows, err := bench.RunMesh(ctx, mc, os.Stderr)
+		if err != nil {
+			return err
+		}
+		bench.PrintMesh(os.Stdout, rows)
+		return nil
 	}
 	rows, err := bench.Run(ctx, cfg, os.Stderr)
 	if err != nil {
@@ -47,4 +96,17 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	}
 	bench.Print(os.Stdout, rows)
 	return nil
+}
+
+// parseCounts reads a comma-separated list of positive counts.
+func parseCounts(name, list string) ([]int, error) {
+	var out []int
+	for _, s := range strings.Split(list, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%s: bad count %q", name, s)
+		}
+		out = append(out, n)
+	}
+	return out, nil
 }

@@ -27,6 +27,7 @@ func commands() []command {
 	return []command{
 		{"serve", "start a mesh that serves a model through the OpenAI API", runServe},
 		{"join", "join this machine to a running mesh", runJoin},
+		{"leave", "make the local node leave the mesh gracefully", runLeave},
 		{"bench", "measure prefill and decode speed against ollama's stock engine", runBench},
 		{"dev", "developer tools (gen-model)", runDev},
 		{"version", "print the version", func(context.Context, []string) error {

@@ -327,6 +327,9 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		var replay []*seq
 		active, replay = s.step(ctx, active)
 		waiting = append(replay, waiting...)
+		s.mu.Lock()
+		s.stats.Active, s.stats.Waiting = len(active), len(waiting)
+		s.mu.Unlock()
 	}
 }
 

@@ -1,0 +1,1073 @@
+package bench
+
+// The mesh benchmark: decode speed of a model split over 1, 2, 3… meshnode
+// processes on one machine, measured end to end through node 1's OpenAI API.
+// Every stage count runs in the same invocation on the same machine, so the
+// ratio to the 1-stage row is what splitting costs (or gains) here.
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	mrand "math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/meshnode/meshnode/ggufstage"
+	"github.com/meshnode/meshnode/node"
+)
+
+// MeshConfig of a mesh benchmark.
+type MeshConfig struct {
+	Model        string
+	Binary       string        // the meshnode executable to run nodes with; default os.Executable()
+	Stages       []int         // stage (= process) counts; default 1, 2, 3
+	Streams      []int         // concurrent streams; default 1 and 8
+	PromptTokens int           // prompt length in tokens (sent as token ids); default 64
+	DecodeTokens int           // max_tokens of every request; default 128
+	Runs         int           // repetitions of each measurement; the median is reported
+	Threads      int           // --threads of every node; 0 = all cores
+	NodeArgs     []string      // extra flags for every node (e.g. --flash-attn)
+	SkipLoopback bool          // measure only in network namespaces
+	Netns        bool          // also measure with every node in its own network namespace
+	NetnsDelay   time.Duration // netem delay on each node's veth (0: no qdisc)
+	WorkDir      string        // data dirs and logs; default a temporary dir, removed unless a run fails
+	ReadyTimeout time.Duration // how long a mesh may take to form; default 10 minutes
+}
+
+// MeshRow is one measurement.
+type MeshRow struct {
+	Network    string  // "loopback" or "netns+1ms"
+	Stages     int     // stages of node 1's plan
+	Streams    int     // concurrent streams
+	DecodeTPS  float64 // aggregate decode tokens per second (see decodeRate)
+	Ratio      float64 // DecodeTPS over the 1-stage row of the same network and streams; 0 if none
+	Tokens     int     // completion tokens of all streams (last run)
+	FirstToken time.Duration
+	Plan       []node.StatusStage // node 1's plan while it was measured
+}
+
+// netns layout: a bridge on the host, one namespace per node, addresses
+// 10.77.1.0/24 (the bridge .1, node i .10+i).
+const (
+	netnsBridge  = "mnbench0"
+	netnsPrefix  = "mnbench-"
+	netnsSubnet  = "10.77.1."
+	netnsHTTP    = 9337
+	maxMeshNodes = 9
+)
+
+func (c *MeshConfig) defaults() error {
+	if c.Binary == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return fmt.Errorf("finding the meshnode binary: %w", err)
+		}
+		c.Binary = exe
+	}
+	if len(c.Stages) == 0 {
+		c.Stages = []int{1, 2, 3}
+	}
+	if len(c.Streams) == 0 {
+		c.Streams = []int{1, 8}
+	}
+	if c.PromptTokens <= 0 {
+		c.PromptTokens = 64
+	}
+	if c.DecodeTokens <= 0 {
+		c.DecodeTokens = 128
+	}
+	if c.Runs <= 0 {
+		c.Runs = 1
+	}
+	if c.ReadyTimeout <= 0 {
+		c.ReadyTimeout = 10 * time.Minute
+	}
+	for _, s := range c.Stages {
+		if s < 1 || s > maxMeshNodes {
+			return fmt.Errorf("stage count %d: want 1 to %d", s, maxMeshNodes)
+		}
+	}
+	for _, n := range c.Streams {
+		if n < 1 {
+			return fmt.Errorf("stream count %d: want at least 1", n)
+		}
+	}
+	if c.SkipLoopback && !c.Netns {
+		return errors.New("nothing to measure: loopback skipped and no network namespaces")
+	}
+	return nil
+}
+
+// meshNetwork is where a mesh's nodes run.
+type meshNetwork struct {
+	name   string
+	netns  bool
+	apiKey string // set when HTTP binds beyond loopback
+}
+
+// RunMesh starts meshes of each stage count, measures decode speed through
+// node 1's API, and returns one row per network, stage count and stream
+// count. Node processes are always stopped before it returns, network
+// namespaces removed.
+func RunMesh(ctx context.Context, cfg MeshConfig, log io.Writer) (rows []MeshRow, err error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	info, err := ggufstage.ReadInfo(cfg.Model)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Model, err = filepath.Abs(cfg.Model); err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(log, "model %s: %s, %d layers, n_embd %d, vocab %d, %s\n", cfg.Model, info.Arch, info.Layers, info.Embd, info.Vocab, info.FileType)
+	for _, s := range cfg.Stages {
+		if s > info.Layers {
+			return nil, fmt.Errorf("%d stages: the model has only %d layers", s, info.Layers)
+		}
+	}
+	fmt.Fprintf(log, "machine: %d cores, load average %s; nodes run %s with %s\n", runtime.NumCPU(), loadAverage(), cfg.Binary, threadsText(cfg.Threads))
+
+	workDir := cfg.WorkDir
+	removeWork := workDir == ""
+	if workDir == "" {
+		if workDir, err = os.MkdirTemp("", "meshnode-bench-mesh-"); err != nil {
+			return nil, err
+		}
+	} else if err := os.MkdirAll(workDir, 0o755); err != nil {
+		return nil, err
+	}
+	defer func() {
+		// Data dirs hold slices of the model: never keep them. Logs stay
+		// when something failed, or when the caller chose the directory.
+		for i := 1; i <= maxMeshNodes; i++ {
+			os.RemoveAll(filepath.Join(workDir, fmt.Sprintf("data%d", i)))
+		}
+		if err == nil && removeWork {
+			os.RemoveAll(workDir)
+		} else if err != nil {
+			fmt.Fprintf(log, "node logs are kept in %s\n", workDir)
+		}
+	}()
+
+	var nets []meshNetwork
+	if !cfg.SkipLoopback {
+		nets = append(nets, meshNetwork{name: "loopback"})
+	}
+	if cfg.Netns {
+		name := "netns"
+		if cfg.NetnsDelay > 0 {
+			name += "+" + cfg.NetnsDelay.String()
+		}
+		nets = append(nets, meshNetwork{name: name, netns: true, apiKey: randomKey()})
+	}
+
+	tokens := promptTokens(info.Vocab)
+	client := &http.Client{Transport: &http.Transport{Proxy: nil, MaxIdleConnsPerHost: 64, DisableCompression: true}}
+	defer client.CloseIdleConnections()
+
+	for _, nw := range nets {
+		if nw.netns {
+			lab, err := setupNetns(slices.Max(cfg.Stages), cfg.NetnsDelay, log)
+			if err != nil {
+				return nil, err
+			}
+			nwRows, err := runNetwork(ctx, cfg, nw, info, tokens, client, workDir, log)
+			lab.cleanup(log)
+			if err != nil {
+				return nil, err
+			}
+			rows = append(rows, nwRows...)
+			continue
+		}
+		nwRows, err := runNetwork(ctx, cfg, nw, info, tokens, client, workDir, log)
+		if err != nil {
+			return nil, err
+		}
+		rows = append(rows, nwRows...)
+	}
+	fillRatios(rows)
+	fmt.Fprintf(log, "load average at the end: %s\n", loadAverage())
+	return rows, nil
+}
+
+func threadsText(n int) string {
+	if n <= 0 {
+		return "all cores each"
+	}
+	return fmt.Sprintf("%d threads each", n)
+}
+
+func fillRatios(rows []MeshRow) {
+	type key struct {
+		network string
+		streams int
+	}
+	ref := map[key]float64{}
+	for _, r := range rows {
+		if r.Stages == 1 {
+			ref[key{r.Network, r.Streams}] = r.DecodeTPS
+		}
+	}
+	for i, r := range rows {
+		if v := ref[key{r.Network, r.Streams}]; v > 0 {
+			rows[i].Ratio = r.DecodeTPS / v
+		}
+	}
+}
+
+// runNetwork measures every stage count on one network.
+func runNetwork(ctx context.Context, cfg MeshConfig, nw meshNetwork, info ggufstage.ModelInfo, tokens func(stream, run int, n int) []int32,
+	client *http.Client, workDir string, log io.Writer) ([]MeshRow, error) {
+	var rows []MeshRow
+	for _, stages := range cfg.Stages {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		r, err := runStages(ctx, cfg, nw, stages, info, tokens, client, workDir, log)
+		if err != nil {
+			return nil, fmt.Errorf("%s, %d stages: %w", nw.name, stages, err)
+		}
+		rows = append(rows, r...)
+	}
+	return rows, nil
+}
+
+// runStages forms one mesh of the given size and measures every stream
+// count on it.
+func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages int, info ggufstage.ModelInfo,
+	tokens func(stream, run int, n int) []int32, client *http.Client, workDir string, log io.Writer) (rows []MeshRow, err error) {
+	logDir := filepath.Join(workDir, fmt.Sprintf("%s-%dstages", strings.ReplaceAll(nw.name, "+", "-"), stages))
+	if err := os.MkdirAll(logDir, 0o755); err != nil {
+		return nil, err
+	}
+	m := &meshRun{cfg: cfg, nw: nw, client: client, workDir: workDir, logDir: logDir}
+	defer func() {
+		m.stop()
+		if err != nil {
+			for _, p := range m.procs {
+				err = fmt.Errorf("%w\n  node %d log: %s", err, p.index, p.logPath)
+			}
+		}
+	}()
+	fmt.Fprintf(log, "\n%s, %d stage(s): starting %d node(s), logs in %s\n", nw.name, stages, stages, logDir)
+	start := time.Now()
+	if err := m.start(ctx, stages, info); err != nil {
+		return nil, err
+	}
+	plan, err := m.waitReady(ctx, stages)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(log, "mesh ready in %.1f s: %s\n", time.Since(start).Seconds(), planText(plan))
+
+	api := m.procs[0].url
+	model := strings.TrimSuffix(filepath.Base(cfg.Model), filepath.Ext(cfg.Model))
+	// Warm up every stage once so that first-use allocations are not timed.
+	if _, err := runStreams(ctx, client, api, nw.apiKey, model, 1, 4, func(int) []int32 { return tokens(99, 0, cfg.PromptTokens) }); err != nil {
+		return nil, fmt.Errorf("warm-up request: %w", err)
+	}
+	for _, n := range cfg.Streams {
+		var rates []float64
+		var first []float64
+		var total int
+		for run := range cfg.Runs {
+			if err := m.alive(); err != nil {
+				return nil, err
+			}
+			res, err := runStreams(ctx, client, api, nw.apiKey, model, n, cfg.DecodeTokens, func(i int) []int32 { return tokens(i, run, cfg.PromptTokens) })
+			if err != nil {
+				return nil, fmt.Errorf("%d stream(s): %w", n, err)
+			}
+			tps, err := decodeRate(res)
+			if err != nil {
+				return nil, fmt.Errorf("%d stream(s): %w", n, err)
+			}
+			total = 0
+			var ft []float64
+			for _, r := range res {
+				total += r.tokens
+				ft = append(ft, r.first.Sub(r.start).Seconds())
+			}
+			rates = append(rates, tps)
+			first = append(first, median(ft))
+			fmt.Fprintf(log, "run %d  %s  stages %d  streams %d  decode %8.2f tok/s  (%d tokens, median first token %.2f s)\n",
+				run+1, nw.name, stages, n, tps, total, median(ft))
+		}
+		rows = append(rows, MeshRow{Network: nw.name, Stages: stages, Streams: n, DecodeTPS: median(rates), Tokens: total,
+			FirstToken: time.Duration(median(first) * float64(time.Second)), Plan: plan})
+	}
+	// The plan must not have changed under the measurement.
+	st, err := m.status(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if planText(st.Plan) != planText(plan) {
+		return nil, fmt.Errorf("node 1's plan changed during the measurement: %s, then %s", planText(plan), planText(st.Plan))
+	}
+	return rows, nil
+}
+
+func planText(p []node.StatusStage) string {
+	var parts []string
+	for _, s := range p {
+		parts = append(parts, fmt.Sprintf("…%s [%d,%d)", shortPeer(s.Node), s.Start, s.End))
+	}
+	return strings.Join(parts, " → ")
+}
+
+func planLayers(p []node.StatusStage) string {
+	var parts []string
+	for _, s := range p {
+		parts = append(parts, fmt.Sprintf("%d-%d", s.Start, s.End))
+	}
+	return strings.Join(parts, ",")
+}
+
+func shortPeer(id string) string {
+	if len(id) > 6 {
+		return id[len(id)-6:]
+	}
+	return id
+}
+
+// meshRun is one mesh's processes.
+type meshRun struct {
+	cfg     MeshConfig
+	nw      meshNetwork
+	client  *http.Client
+	workDir string
+	logDir  string
+	procs   []*nodeProc
+}
+
+type nodeProc struct {
+	index   int
+	cmd     *exec.Cmd
+	logPath string
+	logFile *os.File
+	url     string // http://host:port
+	done    chan struct{}
+	err     error
+}
+
+func (m *meshRun) nodeHost(i int) string {
+	if m.nw.netns {
+		return fmt.Sprintf("%s%d", netnsSubnet, 10+i)
+	}
+	return "127.0.0.1"
+}
+
+// start launches node 1 (serve) and, once it answers, the joiners.
+func (m *meshRun) start(ctx context.Context, stages int, info ggufstage.ModelInfo) error {
+	cfg := m.cfg
+	common := func(i int) ([]string, error) {
+		host := m.nodeHost(i)
+		port := netnsHTTP
+		if !m.nw.netns {
+			var err error
+			if port, err = freePort(); err != nil {
+				return nil, err
+			}
+		}
+		args := []string{
+			"--data-dir", filepath.Join(m.workDir, fmt.Sprintf("data%d", i)),
+			"--http", net.JoinHostPort(host, strconv.Itoa(port)),
+			"--listen", "/ip4/" + host + "/tcp/0",
+			"--gossip-port", "-1",
+			"--log-format", "console",
+		}
+		if m.nw.apiKey != "" {
+			args = append(args, "--api-key", m.nw.apiKey)
+		}
+		if cfg.Threads > 0 {
+			args = append(args, "--threads", strconv.Itoa(cfg.Threads))
+		}
+		return append(args, cfg.NodeArgs...), nil
+	}
+	args, err := common(1)
+	if err != nil {
+		return err
+	}
+	args = append([]string{"serve", "--split", "--model", cfg.Model,
+		"--parallel", strconv.Itoa(slices.Max(cfg.Streams)),
+		"--ctx", strconv.Itoa(cfg.PromptTokens + cfg.DecodeTokens + 16)}, args...)
+	if err := m.launch(1, args); err != nil {
+		return err
+	}
+	if stages == 1 {
+		return nil
+	}
+	// Node 1 answers /api/status once it has hashed the model; its status
+	// carries the join command.
+	var join string
+	deadline := time.Now().Add(m.cfg.ReadyTimeout)
+	for {
+		st, err := m.status(ctx)
+		if err == nil && st.JoinHint != "" {
+			join = st.JoinHint
+			break
+		}
+		if err := m.wait(ctx, deadline, "node 1 to answer /api/status"); err != nil {
+			return err
+		}
+	}
+	f := strings.Fields(join)
+	if len(f) < 5 || f[0] != "meshnode" || f[1] != "join" || f[3] != "--mesh-key" {
+		return fmt.Errorf("unexpected join command from node 1: %q", join)
+	}
+	for i := 2; i <= stages; i++ {
+		args, err := common(i)
+		if err != nil {
+			return err
+		}
+		if err := m.launch(i, append([]string{"join", f[2], "--mesh-key", f[4]}, args...)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (m *meshRun) launch(i int, args []string) error {
+	logPath := filepath.Join(m.logDir, fmt.Sprintf("node%d.log", i))
+	lf, err := os.Create(logPath)
+	if err != nil {
+		return err
+	}
+	name, argv := m.cfg.Binary, args
+	if m.nw.netns {
+		name, argv = "ip", append([]string{"netns", "exec", netnsName(i), m.cfg.Binary}, args...)
+	}
+	fmt.Fprintf(lf, "$ %s %s\n\n", name, strings.Join(redact(argv, m.nw.apiKey), " "))
+	cmd := exec.Command(name, argv...)
+	cmd.Stdout, cmd.Stderr = lf, lf
+	cmd.Env = nodeEnv()
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		lf.Close()
+		return fmt.Errorf("starting node %d: %w", i, err)
+	}
+	p := &nodeProc{index: i, cmd: cmd, logPath: logPath, logFile: lf, done: make(chan struct{})}
+	host, port := m.nodeHost(i), ""
+	for k, a := range args {
+		if a == "--http" && k+1 < len(args) {
+			_, port, _ = net.SplitHostPort(args[k+1])
+		}
+	}
+	p.url = "http://" + net.JoinHostPort(host, port)
+	go func() {
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
+	m.procs = append(m.procs, p)
+	return nil
+}
+
+func redact(args []string, key string) []string {
+	out := slices.Clone(args)
+	for i := range out {
+		if key != "" && out[i] == key {
+			out[i] = "…"
+		}
+	}
+	return out
+}
+
+// nodeEnv is this process's environment without MESHNODE_* variables, which
+// would otherwise set flags of the nodes (a pinned --layers, say).
+func nodeEnv() []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "MESHNODE_") {
+			env = append(env, kv)
+		}
+	}
+	return env
+}
+
+// stop ends every node: SIGTERM (a graceful leave), then SIGKILL.
+func (m *meshRun) stop() {
+	for _, p := range m.procs {
+		select {
+		case <-p.done:
+		default:
+			syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
+		}
+	}
+	deadline := time.After(10 * time.Second)
+	for _, p := range m.procs {
+		select {
+		case <-p.done:
+		case <-deadline:
+			syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+			<-p.done
+		}
+	}
+	for _, p := range m.procs {
+		p.logFile.Close()
+	}
+}
+
+// alive reports a node that exited.
+func (m *meshRun) alive() error {
+	for _, p := range m.procs {
+		select {
+		case <-p.done:
+			return fmt.Errorf("node %d exited: %v", p.index, p.err)
+		default:
+		}
+	}
+	return nil
+}
+
+// wait sleeps a poll interval, failing on cancellation, timeout or a dead
+// node.
+func (m *meshRun) wait(ctx context.Context, deadline time.Time, what string) error {
+	if err := m.alive(); err != nil {
+		return err
+	}
+	if time.Now().After(deadline) {
+		return fmt.Errorf("timed out after %v waiting for %s", m.cfg.ReadyTimeout, what)
+	}
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(250 * time.Millisecond):
+		return nil
+	}
+}
+
+func (m *meshRun) get(ctx context.Context, url string) (*http.Response, error) {
+	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	req, err := http.NewRequestWithContext(rctx, http.MethodGet, url, nil)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	if m.nw.apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+m.nw.apiKey)
+	}
+	resp, err := m.client.Do(req)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	resp.Body = cancelOnClose{resp.Body, cancel}
+	return resp, nil
+}
+
+type cancelOnClose struct {
+	io.ReadCloser
+	cancel context.CancelFunc
+}
+
+func (c cancelOnClose) Close() error {
+	err := c.ReadCloser.Close()
+	c.cancel()
+	return err
+}
+
+// status is node 1's /api/status.
+func (m *meshRun) status(ctx context.Context) (node.Status, error) {
+	var st node.Status
+	resp, err := m.get(ctx, m.procs[0].url+"/api/status")
+	if err != nil {
+		return st, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return st, fmt.Errorf("/api/status: %s", resp.Status)
+	}
+	return st, json.NewDecoder(resp.Body).Decode(&st)
+}
+
+// waitReady waits until node 1's plan has exactly the given number of
+// stages, every member serves its stage of it and is ready, node 1 has a
+// pipeline, and every node's /health is 200 — twice in a row, half a second
+// apart, so that a plan in the middle of changing is not taken as settled.
+func (m *meshRun) waitReady(ctx context.Context, stages int) ([]node.StatusStage, error) {
+	deadline := time.Now().Add(m.cfg.ReadyTimeout)
+	var last string
+	settled := 0
+	why := "node 1 to start"
+	for {
+		plan, reason := m.readyOnce(ctx, stages)
+		if reason == "" {
+			if p := planText(plan); p == last {
+				settled++
+			} else {
+				last, settled = p, 1
+			}
+			if settled >= 2 {
+				return plan, nil
+			}
+			reason = "the plan to stay put"
+		} else {
+			settled = 0
+		}
+		why = reason
+		if err := m.wait(ctx, deadline, why); err != nil {
+			return nil, err
+		}
+		if settled > 0 {
+			select {
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-time.After(250 * time.Millisecond):
+			}
+		}
+	}
+}
+
+// readyOnce returns node 1's plan, or why the mesh is not ready yet.
+func (m *meshRun) readyOnce(ctx context.Context, stages int) ([]node.StatusStage, string) {
+	st, err := m.status(ctx)
+	if err != nil {
+		return nil, "node 1's /api/status"
+	}
+	if len(st.Plan) != stages {
+		return nil, fmt.Sprintf("a plan of %d stages (node 1 has %d)", stages, len(st.Plan))
+	}
+	if len(st.Nodes) != stages {
+		return nil, fmt.Sprintf("%d members (node 1 sees %d)", stages, len(st.Nodes))
+	}
+	if !st.Ready {
+		return nil, "node 1's pipeline"
+	}
+	byPeer := map[string]node.StatusNode{}
+	for _, n := range st.Nodes {
+		byPeer[n.PeerID] = n
+	}
+	for _, s := range st.Plan {
+		n, ok := byPeer[s.Node]
+		if !ok || n.State != "ready" {
+			return nil, fmt.Sprintf("node …%s to be ready", shortPeer(s.Node))
+		}
+		serves := false
+		for _, sv := range n.Serving {
+			serves = serves || (sv.Start == s.Start && sv.End == s.End)
+		}
+		if !serves {
+			return nil, fmt.Sprintf("node …%s to load layers [%d,%d)", shortPeer(s.Node), s.Start, s.End)
+		}
+	}
+	for _, p := range m.procs {
+		resp, err := m.get(ctx, p.url+"/health")
+		if err != nil {
+			return nil, fmt.Sprintf("node %d's /health", p.index)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return nil, fmt.Sprintf("node %d's /health (%s)", p.index, resp.Status)
+		}
+	}
+	return st.Plan, ""
+}
+
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+func randomKey() string {
+	b := make([]byte, 16)
+	rand.Read(b)
+	return "bench-" + hex.EncodeToString(b)
+}
+
+// promptTokens returns a deterministic prompt of n token ids for a stream
+// and run (the same for every stage count and network), drawn from the
+// middle of the vocabulary, away from control tokens at either end.
+func promptTokens(vocab int) func(stream, run, n int) []int32 {
+	lo, hi := vocab/8, vocab/2
+	if hi <= lo {
+		lo, hi = 0, vocab
+	}
+	return func(stream, run, n int) []int32 {
+		rng := mrand.New(mrand.NewPCG(uint64(stream), uint64(run)+1))
+		out := make([]int32, n)
+		for i := range out {
+			out[i] = int32(lo + rng.IntN(hi-lo))
+		}
+		return out
+	}
+}
+
+// streamResult is one streamed completion as the client saw it.
+type streamResult struct {
+	start  time.Time   // request sent
+	first  time.Time   // first text chunk
+	chunks []time.Time // every text chunk, the first included
+	end    time.Time   // the chunk with finish_reason
+	tokens int         // usage.completion_tokens (else the text chunks)
+	finish string
+}
+
+// runStreams sends n streaming completions at once and reads them all.
+func runStreams(ctx context.Context, client *http.Client, api, key, model string, n, maxTokens int, prompt func(i int) []int32) ([]streamResult, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	res := make([]streamResult, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	gate := make(chan struct{})
+	for i := range n {
+		body, err := json.Marshal(map[string]any{
+			"model": model, "prompt": prompt(i), "max_tokens": maxTokens, "temperature": 0,
+			"stream": true, "stream_options": map[string]any{"include_usage": true},
+		})
+		if err != nil {
+			return nil, err
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-gate
+			res[i], errs[i] = runStream(ctx, client, api+"/v1/completions", key, body)
+			if errs[i] != nil {
+				cancel() // one failure spoils the measurement; stop the rest
+			}
+		}()
+	}
+	close(gate)
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil && !errors.Is(err, context.Canceled) {
+			return nil, fmt.Errorf("stream %d: %w", i+1, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return res, nil
+}
+
+// streamChunk is what a completion stream's events may hold.
+type streamChunk struct {
+	Choices []struct {
+		Text         string  `json:"text"`
+		FinishReason *string `json:"finish_reason"`
+	} `json:"choices"`
+	Usage *struct {
+		CompletionTokens int `json:"completion_tokens"`
+	} `json:"usage"`
+	Error *struct {
+		Message string `json:"message"`
+	} `json:"error"`
+}
+
+func runStream(ctx context.Context, client *http.Client, url, key string, body []byte) (streamResult, error) {
+	var r streamResult
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return r, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "text/event-stream")
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	r.start = time.Now()
+	resp, err := client.Do(req)
+	if err != nil {
+		return r, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return r, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(msg)))
+	}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 4<<20)
+	usage := -1
+	done := false
+	for sc.Scan() {
+		now := time.Now()
+		line := sc.Bytes()
+		data, ok := bytes.CutPrefix(line, []byte("data:"))
+		if !ok {
+			continue // blank separators, comments
+		}
+		data = bytes.TrimSpace(data)
+		if string(data) == "[DONE]" {
+			done = true
+			break
+		}
+		var c streamChunk
+		if err := json.Unmarshal(data, &c); err != nil {
+			return r, fmt.Errorf("bad event %q: %w", data, err)
+		}
+		if c.Error != nil {
+			return r, fmt.Errorf("server error mid-stream: %s", c.Error.Message)
+		}
+		for _, ch := range c.Choices {
+			if ch.Text != "" {
+				if r.first.IsZero() {
+					r.first = now
+				}
+				r.chunks = append(r.chunks, now)
+			}
+			if ch.FinishReason != nil {
+				r.finish, r.end = *ch.FinishReason, now
+			}
+		}
+		if c.Usage != nil {
+			usage = c.Usage.CompletionTokens
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return r, err
+	}
+	if !done {
+		return r, errors.New("the stream ended without [DONE]")
+	}
+	if r.end.IsZero() || len(r.chunks) == 0 {
+		return r, errors.New("the stream carried no text or no finish_reason")
+	}
+	r.tokens = usage
+	if r.tokens < 0 {
+		r.tokens = len(r.chunks)
+	}
+	return r, nil
+}
+
+// decodeRate is the aggregate decode throughput of streams that ran at
+// once. The decode phase is the interval from T0, the latest first token
+// of any stream (from then on every stream is past its prefill), to T1,
+// the latest end of any stream (its finish_reason chunk, which follows its
+// last token at once). A stream's tokens inside (T0, T1] are its
+// completion tokens times the share of its text chunks that arrived in
+// that interval: exact when every token yields one chunk, as it does
+// unless the server holds back an incomplete UTF-8 sequence or a possible
+// stop string. The rate is those tokens summed over the streams, divided
+// by T1 - T0. For one stream this is (tokens after the first) / (time from
+// the first token to the last).
+func decodeRate(res []streamResult) (float64, error) {
+	var t0, t1 time.Time
+	for _, r := range res {
+		if r.first.After(t0) {
+			t0 = r.first
+		}
+		if r.end.After(t1) {
+			t1 = r.end
+		}
+	}
+	span := t1.Sub(t0).Seconds()
+	if span <= 0 {
+		return 0, errors.New("no decode phase: every stream ended with its first token (too few tokens?)")
+	}
+	var toks float64
+	for _, r := range res {
+		in := 0
+		for _, c := range r.chunks {
+			if c.After(t0) && !c.After(t1) {
+				in++
+			}
+		}
+		toks += float64(r.tokens) * float64(in) / float64(len(r.chunks))
+	}
+	if toks <= 0 {
+		return 0, errors.New("no tokens in the decode phase")
+	}
+	return toks / span, nil
+}
+
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return "unknown"
+	}
+	return strings.Join(f[:3], " ")
+}
+
+// PrintMesh writes the mesh table.
+func PrintMesh(w io.Writer, rows []MeshRow) {
+	fmt.Fprintf(w, "\n%-14s %6s %-18s %7s %13s %10s %12s\n", "network", "stages", "layers", "streams", "decode tok/s", "×1-stage", "first tok s")
+	for _, r := range rows {
+		ratio := ""
+		if r.Ratio > 0 {
+			ratio = fmt.Sprintf("%.2f", r.Ratio)
+		}
+		fmt.Fprintf(w, "%-14s %6d %-18s %7d %13.2f %10s %12.2f\n", r.Network, r.Stages, planLayers(r.Plan), r.Streams, r.DecodeTPS, ratio, r.FirstToken.Seconds())
+	}
+}
+
+// netnsLab is the namespaces, veths and bridge of a netns run.
+type netnsLab struct {
+	nodes int
+}
+
+func netnsName(i int) string { return fmt.Sprintf("%s%d", netnsPrefix, i) }
+
+// setupNetns makes one namespace per node, each with a veth whose other end
+// is on a bridge the host holds 10.77.1.1 on; node i gets 10.77.1.(10+i).
+// With a delay, each node's veth gets a netem qdisc: every packet a node
+// sends waits that long, so a hop between nodes costs the delay one way and
+// twice it for a round trip.
+func setupNetns(nodes int, delay time.Duration, log io.Writer) (*netnsLab, error) {
+	if runtime.GOOS != "linux" {
+		return nil, errors.New("--netns-delay needs Linux network namespaces")
+	}
+	if os.Geteuid() != 0 {
+		return nil, errors.New("--netns-delay needs root (it creates network namespaces, veths and a bridge)")
+	}
+	if _, err := exec.LookPath("ip"); err != nil {
+		return nil, errors.New("--netns-delay needs iproute2's ip command in PATH")
+	}
+	if delay > 0 {
+		if _, err := exec.LookPath("tc"); err != nil {
+			return nil, errors.New("--netns-delay needs iproute2's tc command in PATH")
+		}
+	}
+	lab := &netnsLab{nodes: nodes}
+	if err := lab.clearStale(); err != nil {
+		return nil, err
+	}
+	if err := checkSubnetFree(); err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(log, "network namespaces: bridge %s at %s1/24, %d namespaces %s1…, netem delay %v on each node's veth\n",
+		netnsBridge, netnsSubnet, nodes, netnsPrefix, delay)
+	steps := [][]string{
+		{"link", "add", netnsBridge, "type", "bridge"},
+		{"addr", "add", netnsSubnet + "1/24", "dev", netnsBridge},
+		{"link", "set", netnsBridge, "up"},
+	}
+	for i := 1; i <= nodes; i++ {
+		ns, host, peer := netnsName(i), fmt.Sprintf("mnbh%d", i), fmt.Sprintf("mnbn%d", i)
+		steps = append(steps,
+			[]string{"netns", "add", ns},
+			[]string{"link", "add", host, "type", "veth", "peer", "name", peer},
+			[]string{"link", "set", host, "master", netnsBridge},
+			[]string{"link", "set", host, "up"},
+			[]string{"link", "set", peer, "netns", ns},
+			[]string{"-n", ns, "link", "set", "lo", "up"},
+			[]string{"-n", ns, "addr", "add", fmt.Sprintf("%s%d/24", netnsSubnet, 10+i), "dev", peer},
+			[]string{"-n", ns, "link", "set", peer, "up"},
+		)
+	}
+	for _, s := range steps {
+		if err := runCmd("ip", s...); err != nil {
+			lab.cleanup(log)
+			return nil, err
+		}
+	}
+	if delay > 0 {
+		for i := 1; i <= nodes; i++ {
+			err := runCmd("ip", "netns", "exec", netnsName(i), "tc", "qdisc", "add", "dev", fmt.Sprintf("mnbn%d", i),
+				"root", "netem", "delay", fmt.Sprintf("%dus", delay.Microseconds()))
+			if err != nil {
+				lab.cleanup(log)
+				if strings.Contains(err.Error(), "qdisc kind is unknown") {
+					return nil, fmt.Errorf("%w\n(this kernel has no netem qdisc, sch_netem: load it with 'modprobe sch_netem', or pass --netns-delay 0 for namespaces without delay)", err)
+				}
+				return nil, err
+			}
+		}
+	}
+	return lab, nil
+}
+
+// clearStale removes namespaces and the bridge a killed earlier run left,
+// refusing when a process still runs in one of them.
+func (l *netnsLab) clearStale() error {
+	out, _ := exec.Command("ip", "netns", "list").Output()
+	for _, line := range strings.Split(string(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 0 || !strings.HasPrefix(f[0], netnsPrefix) {
+			continue
+		}
+		pids, _ := exec.Command("ip", "netns", "pids", f[0]).Output()
+		if strings.TrimSpace(string(pids)) != "" {
+			return fmt.Errorf("network namespace %s is in use (another 'meshnode bench --mesh' running?); processes: %s", f[0], strings.Join(strings.Fields(string(pids)), " "))
+		}
+		if err := runCmd("ip", "netns", "del", f[0]); err != nil {
+			return err
+		}
+	}
+	if exec.Command("ip", "link", "show", netnsBridge).Run() == nil {
+		if err := runCmd("ip", "link", "del", netnsBridge); err != nil {
+			return err
+		}
+	}
+	for i := 1; i <= maxMeshNodes; i++ {
+		if exec.Command("ip", "link", "show", fmt.Sprintf("mnbh%d", i)).Run() == nil {
+			runCmd("ip", "link", "del", fmt.Sprintf("mnbh%d", i))
+		}
+	}
+	return nil
+}
+
+// checkSubnetFree refuses to shadow an address of 10.77.1.0/24 that some
+// interface of the host already has.
+func checkSubnetFree() error {
+	ifs, err := net.Interfaces()
+	if err != nil {
+		return err
+	}
+	for _, ifc := range ifs {
+		addrs, _ := ifc.Addrs()
+		for _, a := range addrs {
+			if ipn, ok := a.(*net.IPNet); ok && strings.HasPrefix(ipn.IP.String(), netnsSubnet) {
+				return fmt.Errorf("%s already has %s, in the subnet the benchmark uses (%s0/24)", ifc.Name, ipn, netnsSubnet)
+			}
+		}
+	}
+	return nil
+}
+
+// cleanup deletes the namespaces (which takes their veths along) and the
+// bridge. It runs whatever happened before, so it only reports failures.
+func (l *netnsLab) cleanup(log io.Writer) {
+	for i := 1; i <= l.nodes; i++ {
+		ns := netnsName(i)
+		if exec.Command("ip", "netns", "pids", ns).Run() != nil {
+			continue // never made
+		}
+		if err := runCmd("ip", "netns", "del", ns); err != nil {
+			fmt.Fprintf(log, "cleanup: %v\n", err)
+		}
+		if exec.Command("ip", "link", "show", fmt.Sprintf("mnbh%d", i)).Run() == nil {
+			runCmd("ip", "link", "del", fmt.Sprintf("mnbh%d", i))
+		}
+	}
+	if exec.Command("ip", "link", "show", netnsBridge).Run() == nil {
+		if err := runCmd("ip", "link", "del", netnsBridge); err != nil {
+			fmt.Fprintf(log, "cleanup: %v\n", err)
+		}
+	}
+}
+
+func runCmd(name string, args ...string) error {
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s %s: %v: %s", name, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}

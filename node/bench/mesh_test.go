@@ -1,0 +1,114 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+const meshTestModel = "../../../shared/models/stories260K.gguf"
+
+// TestMeshLoopback forms meshes of 1 and 2 processes on stories260K and
+// measures a few tokens through node 1's API.
+func TestMeshLoopback(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts meshnode processes")
+	}
+	if _, err := os.Stat(meshTestModel); err != nil {
+		t.Skipf("no test model: %v", err)
+	}
+	bin := filepath.Join(t.TempDir(), "meshnode")
+	build := exec.Command("go", "build", "-tags", "repack", "-o", bin, "github.com/meshnode/meshnode/cmd/meshnode")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building meshnode: %v\n%s", err, out)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	var log bytes.Buffer
+	start := time.Now()
+	rows, err := RunMesh(ctx, MeshConfig{
+		Model: meshTestModel, Binary: bin, Stages: []int{1, 2}, Streams: []int{1, 2},
+		PromptTokens: 16, DecodeTokens: 8, Threads: 1, ReadyTimeout: time.Minute,
+	}, &log)
+	t.Logf("took %v; log:\n%s", time.Since(start).Round(time.Millisecond), log.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var table bytes.Buffer
+	PrintMesh(&table, rows)
+	t.Logf("%s", table.String())
+
+	if len(rows) != 4 {
+		t.Fatalf("got %d rows, want 4 (2 stage counts × 2 stream counts)", len(rows))
+	}
+	i := 0
+	for _, stages := range []int{1, 2} {
+		for _, streams := range []int{1, 2} {
+			r := rows[i]
+			i++
+			if r.Network != "loopback" || r.Stages != stages || r.Streams != streams {
+				t.Errorf("row %d is %s/%d stages/%d streams, want loopback/%d/%d", i, r.Network, r.Stages, r.Streams, stages, streams)
+			}
+			if !(r.DecodeTPS > 0) || r.Tokens <= 0 {
+				t.Errorf("row %d: decode %v tok/s over %d tokens, want both positive", i, r.DecodeTPS, r.Tokens)
+			}
+			if len(r.Plan) != stages {
+				t.Errorf("row %d: node 1's plan has %d stages, want %d: %+v", i, len(r.Plan), stages, r.Plan)
+			}
+			if !(r.Ratio > 0) {
+				t.Errorf("row %d: no ratio to the 1-stage row", i)
+			}
+		}
+	}
+	// The two stages cover the model's 5 layers between two distinct nodes.
+	p := rows[2].Plan
+	if len(p) == 2 && (p[0].Start != 0 || p[0].End != p[1].Start || p[1].End != 5 || p[0].Node == p[1].Node) {
+		t.Errorf("2-stage plan %+v does not split layers [0,5) over two nodes", p)
+	}
+	if strings.Contains(log.String(), "node logs are kept") {
+		t.Error("a successful run kept its logs")
+	}
+}
+
+func TestDecodeRate(t *testing.T) {
+	t0 := time.Now()
+	at := func(ms ...int) []time.Time {
+		var out []time.Time
+		for _, m := range ms {
+			out = append(out, t0.Add(time.Duration(m)*time.Millisecond))
+		}
+		return out
+	}
+	// One stream: 5 tokens, first at 100 ms, last at 500 ms: 4 tokens in 0.4 s.
+	one := streamResult{first: at(100)[0], chunks: at(100, 200, 300, 400, 500), end: at(500)[0], tokens: 5}
+	if got, err := decodeRate([]streamResult{one}); err != nil || abs(got-10) > 1e-6 {
+		t.Errorf("one stream: %v, %v; want 10", got, err)
+	}
+	// Two streams: the second starts at 300 ms; the phase is (300, 500]:
+	// the first has 2 tokens in it, the second 2 (at 400 and 500).
+	two := streamResult{first: at(300)[0], chunks: at(300, 400, 500), end: at(500)[0], tokens: 3}
+	if got, err := decodeRate([]streamResult{one, two}); err != nil || abs(got-20) > 1e-6 {
+		t.Errorf("two streams: %v, %v; want 20", got, err)
+	}
+	// A token that came without a chunk of its own still counts.
+	held := streamResult{first: at(100)[0], chunks: at(100, 300, 500), end: at(500)[0], tokens: 5}
+	if got, err := decodeRate([]streamResult{held}); err != nil || abs(got-5*2.0/3/0.4) > 1e-6 {
+		t.Errorf("held-back chunk: %v, %v", got, err)
+	}
+	if _, err := decodeRate([]streamResult{{first: t0, chunks: at(0), end: t0, tokens: 1}}); err == nil {
+		t.Error("a single token gave a rate")
+	}
+}
+
+func abs(x float64) float64 {
+	if x < 0 {
+		return -x
+	}
+	return x
+}

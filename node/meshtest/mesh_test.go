@@ -1,0 +1,209 @@
+package meshtest
+
+import (
+	"context"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/meshnode/meshnode/ggufstage/gguf"
+)
+
+// TestSplitMesh: three processes, `serve --split` with the model file on
+// node 1 only and two joiners that fetch their slices from it, serve the
+// model as three stages; a greedy completion through each of the three
+// entry nodes is token for token the unsplit reference, for stories260K
+// (llama, 5 layers) and a random qwen3 (3 layers, tied head), with
+// activations crossing the wire in f32 and in f16. Then each node's
+// /api/status shows what it holds: exactly its stage's tensors, and for
+// the joiners exactly those bytes fetched, not the model.
+func TestSplitMesh(t *testing.T) {
+	for _, model := range []*testModel{stories, qwen3} {
+		for _, wire := range []string{"f32", "f16"} {
+			t.Run(model.id+"/"+wire, func(t *testing.T) {
+				m := startMesh(t, model, 3, wire)
+				for _, n := range m.nodes {
+					checkGreedy(t, n, model)
+				}
+				m.checkHoldings(t)
+			})
+		}
+	}
+}
+
+// checkHoldings checks each node's share of the model against the GGUF.
+func (m *testMesh) checkHoldings(t *testing.T) {
+	t.Helper()
+	sts := waitSettled(t, m.model, m.nodes, 10*time.Second)
+	// settled checked that the plan has one stage per node covering
+	// [0,layers) and that every node sees the same plan.
+	for i, n := range m.nodes {
+		st := sts[i]
+		want, _ := st.stageOf(n.peer)
+		if st.Local == nil || st.Local.Start != want.Start || st.Local.End != want.End {
+			t.Errorf("%s: local %+v, want layers [%d,%d)", n.name, st.Local, want.Start, want.End)
+			continue
+		}
+		parts := m.model.stageParts(t, want.Start, want.End)
+		partBytes := gguf.PartsSize(parts)
+		// The engine reports what it loaded; ggml's per-tensor padding
+		// and a tied head are the only reasons it may differ.
+		if w := float64(st.Local.WeightBytes); w < 0.9*float64(partBytes) || w > 1.1*float64(partBytes) {
+			t.Errorf("%s [%d,%d): %d weight bytes, want %d ± 10%%", n.name, want.Start, want.End, st.Local.WeightBytes, partBytes)
+		}
+		if st.Local.SliceBytes < int64(partBytes) {
+			t.Errorf("%s: slice of %d bytes cannot hold its %d tensor bytes", n.name, st.Local.SliceBytes, partBytes)
+		}
+		if i == 0 {
+			// Node 1 slices its own file: nothing comes over the network.
+			if st.Local.Fetched != 0 {
+				t.Errorf("%s holds the file but fetched %d bytes", n.name, st.Local.Fetched)
+			}
+			continue
+		}
+		// A joiner reads its tensors and the file's header (metadata
+		// and tensor index) from node 1, nothing else. The header of
+		// either model is far below 512 KiB.
+		const headerAllowance = 512 << 10
+		switch f := st.Local.Fetched; {
+		case f < partBytes:
+			t.Errorf("%s [%d,%d): fetched %d bytes, less than its %d tensor bytes", n.name, want.Start, want.End, f, partBytes)
+		case f > partBytes+headerAllowance:
+			t.Errorf("%s [%d,%d): fetched %d bytes, over its %d tensor bytes + %d", n.name, want.Start, want.End, f, partBytes, headerAllowance)
+		case f >= uint64(m.model.size):
+			t.Errorf("%s [%d,%d): fetched %d bytes, as much as the %d-byte model", n.name, want.Start, want.End, f, m.model.size)
+		}
+		checkNoModelCopy(t, n, m.model)
+	}
+}
+
+// checkNoModelCopy: a joiner's data dir holds keys, the model's header
+// (metadata, no tensors) and slices of the model, and no copy of it.
+func checkNoModelCopy(t *testing.T, n *meshNode, model *testModel) {
+	t.Helper()
+	err := filepath.WalkDir(n.dataDir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		rel, _ := filepath.Rel(n.dataDir, path)
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		g, gerr := readGGUF(path)
+		switch dir := filepath.Dir(rel); {
+		case dir == "slices":
+			if gerr != nil {
+				t.Errorf("%s: %s is not a GGUF: %v", n.name, rel, gerr)
+				return nil
+			}
+			start, ok1 := g.Get(gguf.KeySliceStart)
+			end, ok2 := g.Get(gguf.KeySliceEnd)
+			s, _ := start.Uint()
+			e, _ := end.Uint()
+			if !ok1 || !ok2 {
+				t.Errorf("%s: %s has no slice range", n.name, rel)
+				return nil
+			}
+			if want := len(model.stageParts(t, int(s), int(e))); len(g.Tensors) != want || want >= len(model.file.Tensors) {
+				t.Errorf("%s: slice %s [%d,%d) holds %d tensors, want %d of the model's %d", n.name, rel, s, e, len(g.Tensors), want, len(model.file.Tensors))
+			}
+		case gerr == nil:
+			// The model's metadata, for the tokenizer: no tensors.
+			if len(g.Tensors) != 0 {
+				t.Errorf("%s: %s outside slices/ holds %d tensors", n.name, rel, len(g.Tensors))
+			}
+		case info.Size() > 64<<10:
+			// Keys and small state only.
+			t.Errorf("%s: unexpected %d-byte file %s", n.name, info.Size(), rel)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Errorf("%s: walking %s: %v", n.name, n.dataDir, err)
+	}
+}
+
+func readGGUF(path string) (*gguf.File, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	return gguf.Read(f, st.Size())
+}
+
+// TestNodeLoss: a joiner killed while the mesh is idle (SIGKILL: no
+// goodbye) is noticed through gossip; within about ten seconds the two
+// survivors replan its layers among themselves and serve the reference
+// again through node 1. A new joiner then takes a share: three stages
+// again, the newcomer's among them, and every entry serves the reference.
+func TestNodeLoss(t *testing.T) {
+	m := startMesh(t, stories, 3, "f16")
+	checkGreedy(t, m.nodes[0], stories)
+
+	victim := m.nodes[2]
+	victim.proc.kill()
+	killed := time.Now()
+	if !victim.proc.exited(10 * time.Second) {
+		t.Fatal("the killed node did not exit")
+	}
+	survivors := m.nodes[:2]
+
+	// Gossip declares a silent member dead after about 2 s (probe every
+	// 0.5 s, suspicion 4 probes); 10 s leaves room for a loaded machine.
+	deadline := killed.Add(10 * time.Second)
+	for _, n := range survivors {
+		for {
+			st, err := n.status(context.Background())
+			if err == nil {
+				if _, has := st.stageOf(victim.peer); !has && len(st.Plan) == 2 {
+					break
+				}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s still plans %s %s after the kill (%v)", n.name, describePlan(st.Plan), short(victim.peer), err)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	replanned := time.Since(killed)
+	// The plan is made; loading the extra layers and rebuilding the
+	// pipeline is quick, the slices are small.
+	waitSettled(t, stories, survivors, 10*time.Second)
+	t.Logf("replanned %s after the kill, serving after %s", replanned.Round(time.Millisecond), time.Since(killed).Round(time.Millisecond))
+	checkGreedy(t, m.nodes[0], stories)
+	checkGreedy(t, m.nodes[1], stories)
+
+	newcomer := m.startJoiner(t, "node4")
+	m.waitReady(t, newcomer)
+	nodes := []*meshNode{m.nodes[0], m.nodes[1], newcomer}
+	sts := waitSettled(t, stories, nodes, formTimeout)
+	if s, _ := sts[0].stageOf(newcomer.peer); s.End <= s.Start {
+		t.Errorf("the newcomer has no layers in %s", describePlan(sts[0].Plan))
+	}
+	for _, st := range sts {
+		for _, nd := range st.Nodes {
+			if nd.PeerID == victim.peer {
+				t.Errorf("%s still lists the dead node as a member (%s)", short(st.Self), nd.State)
+			}
+		}
+	}
+	for _, n := range nodes {
+		checkGreedy(t, n, stories)
+	}
+	if t.Failed() {
+		return
+	}
+	// The newcomer's slice came from node 1 like any joiner's.
+	if st := sts[2]; st.Local == nil || st.Local.Fetched == 0 || !strings.Contains(newcomer.proc.output(), "fetched layers") {
+		t.Errorf("the newcomer did not fetch its layers: %+v", st.Local)
+	}
+}
