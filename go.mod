@@ -10,6 +10,8 @@ require (
 	google.golang.org/protobuf v1.36.12
 )
 
+require github.com/yannh/kubeconform v0.7.0 // indirect
+
 require (
 	filippo.io/bigmod v0.1.1-0.20260103110540-f8a47775ebe5 // indirect
 	filippo.io/keygen v1.0.0 // indirect

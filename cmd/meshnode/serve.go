@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/meshnode/meshnode/node"
 	"github.com/meshnode/meshnode/stage"
@@ -39,6 +40,7 @@ func (f *nodeFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.MaxTokensCap, "max-tokens", 4096, "upper bound on max_tokens of a request")
 	fs.BoolVar(&c.FlashAttention, "flash-attn", false, "use ggml's fused attention kernel")
 	fs.BoolVar(&c.NoRepack, "no-repack", false, "keep quantized weights in ggml's plain layout (slower on CPU)")
+	fs.DurationVar(&c.DrainTimeout, "drain-timeout", 60*time.Second, "on SIGTERM or 'meshnode leave', how long to wait for requests to finish and the mesh to take this node's layers")
 	fs.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 }
