@@ -113,7 +113,19 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 	if err != nil {
 		return nil, err
 	}
-	h, err := host.New(ctx, host.Config{DataDir: cfg.DataDir, Listen: cfg.Listen, MeshKey: key, Logger: log.Named("p2p"), MDNS: cfg.MDNS})
+	hc := host.Config{DataDir: cfg.DataDir, Listen: cfg.Listen, MeshKey: key, Logger: log.Named("p2p"), MDNS: cfg.MDNS}
+	if len(cfg.AllowPeers) > 0 {
+		allowed := map[peer.ID]bool{}
+		for _, s := range cfg.AllowPeers {
+			id, err := peer.Decode(s)
+			if err != nil {
+				return nil, fmt.Errorf("--allow-peer %q: %w", s, err)
+			}
+			allowed[id] = true
+		}
+		hc.Allow = func(id peer.ID) bool { return allowed[id] }
+	}
+	h, err := host.New(ctx, hc)
 	if err != nil {
 		return nil, fmt.Errorf("starting libp2p host: %w", err)
 	}

@@ -56,6 +56,9 @@ type Config struct {
 	Layers     string // "a:b" pins this node's layer range
 	MaxMemory  uint64 // cap on what this node offers the planner
 	WireDType  stage.DType
+	// AllowPeers, when set, admits only these peer IDs to the mesh (on top
+	// of the mesh key): --trust allowlist.
+	AllowPeers []string
 
 	// Ready, if set, is called with the HTTP address once the node serves.
 	Ready func(addr string)

@@ -20,12 +20,18 @@ type nodeFlags struct {
 	wire      string
 	logFormat string
 	logLevel  string
+	keyFile   string
+	trust     string
+	allow     string
 }
 
 func (f *nodeFlags) register(fs *flag.FlagSet) {
 	c := &f.cfg
 	fs.StringVar(&c.HTTPAddr, "http", node.DefaultHTTPAddr, "address of the OpenAI API; beyond loopback it requires --api-key")
 	fs.StringVar(&c.APIKey, "api-key", "", "require this bearer key on /v1/* and /api/* (required when --http is not loopback)")
+	fs.StringVar(&f.keyFile, "api-key-file", "", "read the API key from this file (keeps it out of the process list)")
+	fs.StringVar(&f.trust, "trust", "mesh-key", "who may join: mesh-key (anyone with the key) or allowlist (key holders listed in --allow-peer)")
+	fs.StringVar(&f.allow, "allow-peer", "", "comma-separated peer IDs admitted with --trust allowlist")
 	fs.StringVar(&c.DataDir, "data-dir", node.DefaultDataDir(), "where the peer key, mesh key, slices and hashes are kept")
 	fs.StringVar(&f.listen, "listen", "", "comma-separated libp2p multiaddrs to listen on (default /ip4/0.0.0.0/tcp/4001, any free port if taken)")
 	fs.IntVar(&c.GossipPort, "gossip-port", 0, "UDP+TCP port for membership gossip (default 4002, any free port if taken)")
@@ -46,6 +52,33 @@ func (f *nodeFlags) register(fs *flag.FlagSet) {
 }
 
 func (f *nodeFlags) run(ctx context.Context) error {
+	if f.keyFile != "" {
+		b, err := os.ReadFile(f.keyFile)
+		if err != nil {
+			return fmt.Errorf("--api-key-file: %w", err)
+		}
+		f.cfg.APIKey = strings.TrimSpace(string(b))
+		if f.cfg.APIKey == "" {
+			return fmt.Errorf("--api-key-file %s is empty", f.keyFile)
+		}
+	}
+	switch f.trust {
+	case "mesh-key":
+		if f.allow != "" {
+			return fmt.Errorf("--allow-peer needs --trust allowlist")
+		}
+	case "allowlist":
+		for _, p := range strings.Split(f.allow, ",") {
+			if p = strings.TrimSpace(p); p != "" {
+				f.cfg.AllowPeers = append(f.cfg.AllowPeers, p)
+			}
+		}
+		if len(f.cfg.AllowPeers) == 0 {
+			return fmt.Errorf("--trust allowlist needs --allow-peer ID[,ID...]")
+		}
+	default:
+		return fmt.Errorf("--trust %q: want mesh-key or allowlist", f.trust)
+	}
 	if f.listen != "" {
 		for _, a := range strings.Split(f.listen, ",") {
 			f.cfg.Listen = append(f.cfg.Listen, strings.TrimSpace(a))
