@@ -42,6 +42,8 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime $(FUZZTIME) ./node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzRender$$' -fuzztime $(FUZZTIME) ./node/text/
 	$(GO) test -run '^$$' -fuzz '^FuzzStream$$' -fuzztime $(FUZZTIME) ./node/text/
+	$(GO) test -run '^$$' -fuzz '^FuzzRequest$$' -fuzztime $(FUZZTIME) ./node/openai/
+	$(GO) test -tags '$(TAGS)' -run '^$$' -fuzz '^FuzzTokenizer$$' -fuzztime $(FUZZTIME) ./ggufstage/
 
 vet:
 	$(GO) vet -tags '$(TAGS)' ./...
