@@ -35,6 +35,11 @@ type Options struct {
 	KVType         ml.DType    // 0 = f16
 	WireDType      stage.DType // 0 = f16
 	NoRepack       bool        // keep quantized weights in ggml's plain layout
+	// Device places the stage: "cpu", "cuda" (or "rocm", "metal": any GPU
+	// library ggml loaded), or "auto"/"" = the first GPU if there is one,
+	// else the CPU. GPU backends are loaded at run time from
+	// OLLAMA_LIBRARY_PATH (deploy/gpu builds them).
+	Device string
 }
 
 // Engine runs layers [Start,End) of a GGUF model. It is safe for use by
@@ -99,7 +104,17 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 	if opts.FlashAttention {
 		fa = ml.FlashAttentionEnabled
 	}
-	m, err := model.New(path, ml.BackendParams{AllocMemory: true, NumThreads: opts.Threads, FlashAttention: fa})
+	params := ml.BackendParams{AllocMemory: true, NumThreads: opts.Threads, FlashAttention: fa}
+	gpu, err := pickDevice(path, opts.Device)
+	if err != nil {
+		return nil, err
+	}
+	if gpu != nil {
+		// Every layer of the stage, and the output layer (ollama numbers it
+		// after the last block), on that device.
+		params.GPULayers = gpuLayers(gpu, start, end, layers)
+	}
+	m, err := model.New(path, params)
 	if err != nil {
 		if errors.Is(err, model.ErrUnsupportedModel) {
 			return nil, fmt.Errorf("loading %s: %w", path, checkArch("unknown"))
@@ -149,6 +164,9 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 		Arch: meta.Arch(), Layers: layers, Embd: int(embd), Vocab: vocab,
 		Start: start, End: end, Context: opts.Context, MaxSeqs: opts.MaxSeqs,
 		WireDType: opts.WireDType, Engine: "ggml", Backend: "CPU",
+	}
+	if gpu != nil {
+		e.info.Backend = gpu.Library
 	}
 	e.slots = make(map[stage.SeqID]int)
 	for i := opts.MaxSeqs - 1; i >= 0; i-- {

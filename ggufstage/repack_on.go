@@ -33,6 +33,8 @@ static ggml_backend_buffer_type_t meshnode_repack_buft(void) {
 // has a kernel for the tensor; set_tensor aborts on any other tensor.
 static int meshnode_repack_ok(const struct ggml_tensor * t) {
 	if (ggml_n_dims(t) != 2) return 0;
+	// Only weights that live in host memory: a GPU tensor stays on its GPU.
+	if (t->buffer == NULL || !ggml_backend_buffer_is_host(t->buffer)) return 0;
 	switch (t->type) {
 	case GGML_TYPE_Q4_0:
 		if (ggml_cpu_has_avx2()) return t->ne[1] % 8 == 0;

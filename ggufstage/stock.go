@@ -43,7 +43,19 @@ func OpenStock(path string, opts Options) (s *Stock, err error) {
 	if opts.FlashAttention {
 		fa = ml.FlashAttentionEnabled
 	}
-	m, err := model.New(path, ml.BackendParams{AllocMemory: true, NumThreads: opts.Threads, FlashAttention: fa})
+	params := ml.BackendParams{AllocMemory: true, NumThreads: opts.Threads, FlashAttention: fa}
+	gpu, err := pickDevice(path, opts.Device)
+	if err != nil {
+		return nil, err
+	}
+	if gpu != nil {
+		info, err := ReadInfo(path)
+		if err != nil {
+			return nil, err
+		}
+		params.GPULayers = gpuLayers(gpu, 0, info.Layers, info.Layers)
+	}
+	m, err := model.New(path, params)
 	if err != nil {
 		return nil, fmt.Errorf("loading %s: %w", path, err)
 	}

@@ -39,6 +39,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	fs.IntVar(&cfg.Runs, "runs", 1, "repetitions (median reported)")
 	fs.BoolVar(&cfg.FlashAttn, "flash-attn", false, "use the fused attention kernel in both engines")
 	fs.BoolVar(&cfg.SkipReference, "no-reference", false, "skip ollama's stock engine")
+	fs.StringVar(&cfg.Device, "device", "auto", "where both engines run: auto, cpu, cuda")
 	streams := fs.String("streams", "1,8", "comma-separated concurrent sequence counts")
 	mesh := fs.Bool("mesh", false, "measure meshes of --stages processes on this machine through the OpenAI API")
 	stages := fs.String("stages", "1,2,3", "with --mesh: comma-separated stage (process) counts")

@@ -12,12 +12,18 @@ func runDev(ctx context.Context, args []string) error {
 Tools:
   gen-model   write a random-weight GGUF of a real shape (llama, qwen2, qwen3;
               f32, f16, q8_0, q4_0, q4_k) with a working tokenizer, for tests
-              and benchmarks`)
+              and benchmarks
+
+Examples:
+  meshnode dev gen-model --preset 1b --type q4_0 --out /tmp/1b-q4_0.gguf
+  meshnode dev gen-model --help`)
 		return nil
 	}
 	switch args[0] {
 	case "gen-model":
 		return runGenModel(ctx, args[1:])
+	case "check-split":
+		return runCheckSplit(ctx, args[1:])
 	}
 	return fmt.Errorf("unknown dev tool %q (try: gen-model)", args[0])
 }

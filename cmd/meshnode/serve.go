@@ -27,6 +27,7 @@ type nodeFlags struct {
 
 func (f *nodeFlags) register(fs *flag.FlagSet) {
 	c := &f.cfg
+	fs.String("config", "", "read flags from this file: NAME = VALUE lines, [serve] and [join] sections (see deploy/meshnode.conf)")
 	fs.StringVar(&c.HTTPAddr, "http", node.DefaultHTTPAddr, "address of the OpenAI API; beyond loopback it requires --api-key")
 	fs.StringVar(&c.APIKey, "api-key", "", "require this bearer key on /v1/* and /api/* (required when --http is not loopback)")
 	fs.StringVar(&f.keyFile, "api-key-file", "", "read the API key from this file (keeps it out of the process list)")
@@ -46,6 +47,7 @@ func (f *nodeFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.MaxTokensCap, "max-tokens", 4096, "upper bound on max_tokens of a request")
 	fs.BoolVar(&c.FlashAttention, "flash-attn", false, "use ggml's fused attention kernel")
 	fs.BoolVar(&c.NoRepack, "no-repack", false, "keep quantized weights in ggml's plain layout (slower on CPU)")
+	fs.StringVar(&c.Device, "device", "auto", "where layers run: auto (a GPU if ggml has one), cpu, cuda, metal")
 	fs.DurationVar(&c.DrainTimeout, "drain-timeout", 60*time.Second, "on SIGTERM or 'meshnode leave', how long to wait for requests to finish and the mesh to take this node's layers")
 	fs.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn, error")
@@ -102,6 +104,7 @@ func (f *nodeFlags) run(ctx context.Context) error {
 	}
 	defer log.Sync()
 	f.cfg.Logger = log
+	f.cfg.Version = version
 	f.cfg.Progress = newProgress(os.Stderr)
 	f.cfg.JoinCommand = func(cmd string) {
 		fmt.Fprintf(os.Stderr, "\nTo add a machine to this mesh, run on it:\n\n    %s\n\n", cmd)

@@ -24,7 +24,8 @@ type Config struct {
 	Streams       []int // concurrent sequences; default 1 and 8
 	Runs          int   // repetitions; the median is reported
 	FlashAttn     bool
-	SkipReference bool // measure only meshnode's engine
+	SkipReference bool   // measure only meshnode's engine
+	Device        string // "cpu", "cuda", "auto" (see ggufstage.Options.Device)
 }
 
 // Row is one measurement.
@@ -89,7 +90,7 @@ func Run(ctx context.Context, cfg Config, log io.Writer) ([]Row, error) {
 	maxStreams := slices.Max(cfg.Streams)
 	opts := ggufstage.Options{
 		Threads: cfg.Threads, MaxSeqs: maxStreams, Context: cfg.PromptTokens + cfg.DecodeTokens + 8,
-		BatchSize: cfg.PromptTokens, FlashAttention: cfg.FlashAttn,
+		BatchSize: cfg.PromptTokens, FlashAttention: cfg.FlashAttn, Device: cfg.Device,
 	}
 	info, err := ggufstage.ReadInfo(cfg.Model)
 	if err != nil {

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds ggml's CUDA backend from the ggml sources of the ollama module that
+# meshnode pins (github.com/ollama/ollama v0.17.4), for the local GPU, and
+# installs it beside the meshnode binary, where it is loaded at run time.
+#
+#   deploy/gpu/build-cuda.sh                     # sources from the Go module cache, GPU arch "native"
+#   deploy/gpu/build-cuda.sh --src DIR --arch 90 --out /opt/meshnode
+#
+# Needs cmake (>= 3.21), a C/C++ compiler and the CUDA toolkit (nvcc). It
+# builds only the ggml-cuda target (a few minutes on 16 cores) and installs
+# libggml-cuda.so and libggml-base.so into OUT/lib/ollama. Then:
+#
+#   export OLLAMA_LIBRARY_PATH=OUT/lib/ollama
+#   meshnode serve --device cuda ...
+#
+# (the path must contain "lib/ollama"; meshnode's ggml loads every backend
+# library it finds there and picks the GPU with --device auto or cuda).
+set -euo pipefail
+
+src="" arch="native" out="" jobs="$(nproc)"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --src) src="$2"; shift 2 ;;
+    --arch) arch="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    -j) jobs="$2"; shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+if [ -z "$src" ]; then
+  if command -v go >/dev/null; then
+    src="$(cd "$(dirname "$0")/../.." && go list -m -f '{{.Dir}}' github.com/ollama/ollama)"
+  else
+    echo "no Go here: pass --src with a copy of the ollama module (CMakeLists.txt and ml/backend/ggml/ggml)" >&2
+    exit 2
+  fi
+fi
+[ -f "$src/CMakeLists.txt" ] && [ -d "$src/ml/backend/ggml/ggml/src/ggml-cuda" ] || { echo "$src does not hold the ollama ggml sources" >&2; exit 2; }
+command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || { echo "nvcc not found: install the CUDA toolkit" >&2; exit 2; }
+export PATH="$PATH:/usr/local/cuda/bin"
+[ -n "$out" ] || out="$(cd "$(dirname "$0")/../.." && pwd)/bin"
+build="${BUILD_DIR:-$(mktemp -d)}"
+
+# The module cache is read-only; CMake writes only into $build.
+cmake -S "$src" -B "$build" \
+  -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CUDA_ARCHITECTURES="$arch" \
+  -DCMAKE_DISABLE_FIND_PACKAGE_Vulkan=TRUE \
+  -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
+  '-DCMAKE_INSTALL_RPATH=$ORIGIN' >/dev/null
+cmake --build "$build" --target ggml-cuda -j "$jobs"
+mkdir -p "$out/lib/ollama"
+cp -a "$build"/lib/ollama/libggml-cuda.so* "$build"/lib/ollama/libggml-base.so* "$out/lib/ollama/"
+echo "installed CUDA backend in $out/lib/ollama"
+echo "export OLLAMA_LIBRARY_PATH=$out/lib/ollama"
