@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -25,6 +26,7 @@ import (
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/ggufstage/gguf"
+	"github.com/meshnode/meshnode/node/admin"
 	"github.com/meshnode/meshnode/node/host"
 	"github.com/meshnode/meshnode/node/membership"
 	"github.com/meshnode/meshnode/node/pipeline"
@@ -70,6 +72,10 @@ type mesh struct {
 	meta   membership.Meta
 	// draining is set when the node is leaving on purpose.
 	draining bool
+	probed   bool // GPUs looked for
+
+	obs     *observer // status and metrics
+	planErr error     // why the last placement failed
 }
 
 // meshModel is the model the mesh serves.
@@ -86,19 +92,19 @@ type localStage struct {
 	engine     *ggufstage.Engine
 	server     *pipeline.Server
 	slice      string
-	fetched    uint64 // bytes fetched from peers for the slice
+	fetched    uint64          // bytes fetched from peers for the slice
+	observed   *observedEngine // engine, measured: what the server and a local pipe run on
 }
 
 // MeshEvent is something that happened, for status and logs.
-type MeshEvent struct {
-	Time time.Time `json:"time"`
-	Kind string    `json:"kind"`
-	Text string    `json:"text"`
-}
+type MeshEvent = admin.Event
 
 func (m *mesh) event(kind, format string, args ...any) {
 	ev := MeshEvent{Time: time.Now(), Kind: kind, Text: fmt.Sprintf(format, args...)}
 	m.log.Info(ev.Text, zap.String("event", kind))
+	if m.obs != nil {
+		m.obs.onEvent(kind, ev.Text)
+	}
 	m.mu.Lock()
 	m.events = append(m.events, ev)
 	if len(m.events) > 200 {
@@ -130,6 +136,7 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 		return nil, fmt.Errorf("starting libp2p host: %w", err)
 	}
 	m := &mesh{cfg: cfg, log: log, host: h, self: h.ID().String()}
+	m.obs = newObserver(m)
 	m.budget = availableMemory()
 	if cfg.MaxMemory > 0 {
 		m.budget = min(m.budget, cfg.MaxMemory)
@@ -162,6 +169,7 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 	}
 	m.ml = ml
 	h.ServeGossipAddrs(ml.Port(), nil)
+	h.LibP2P().SetStreamHandler(StatsProtocol, m.obs.serveStats)
 
 	// Weights are served to peers by byte range; stages by gRPC. Both ride
 	// on libp2p streams, so both are private to the mesh.
@@ -180,9 +188,10 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 		}
 		return p2pDial(ctx, addr)
 	}
-	m.conns = pipeline.NewConns(grpc.WithContextDialer(dial), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	m.conns = pipeline.NewConns(grpc.WithContextDialer(dial), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithStatsHandler(hopStats{m.obs}))
 	m.mux = &stageMux{}
-	m.grpcSrv = grpc.NewServer(wire.ServerOptions()...)
+	m.grpcSrv = grpc.NewServer(append(wire.ServerOptions(), grpc.StatsHandler(hopStats{m.obs}))...)
 	meshnodev1.RegisterStageServiceServer(m.grpcSrv, m.mux)
 	ln := h.Listen(StageProtocol)
 	go m.grpcSrv.Serve(ln)     // stopped in close
@@ -457,6 +466,9 @@ func (m *mesh) openPeer(ctx context.Context, peerID, fileID string) (*weights.Pe
 func (m *mesh) run(ctx context.Context) {
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
+	obsDone := make(chan struct{})
+	go func() { defer close(obsDone); m.obs.loop(ctx) }()
+	defer func() { <-obsDone }()
 	m.reconcile(ctx)
 	for {
 		select {
@@ -468,6 +480,7 @@ func (m *mesh) run(ctx context.Context) {
 			}
 			switch ev.Kind {
 			case membership.EventJoin, membership.EventLeave, membership.EventFailed:
+				m.obs.onMember(ev)
 				m.event(string(ev.Kind), "peer %s %s", ev.Member.Meta.PeerID, ev.Kind)
 			}
 			// Let a burst of changes settle before planning.
@@ -475,6 +488,41 @@ func (m *mesh) run(ctx context.Context) {
 		case <-tick.C:
 		}
 		m.reconcile(ctx)
+	}
+}
+
+// probeDevice, once a model is known, looks for the GPU this node's layers
+// will run on: its free memory is then what the node offers the planner.
+func (m *mesh) probeDevice(mm *meshModel) {
+	m.mu.Lock()
+	done := m.probed
+	m.probed = true
+	m.mu.Unlock()
+	if done || strings.EqualFold(m.cfg.Device, "cpu") {
+		return
+	}
+	devs, err := ggufstage.Devices(mm.header)
+	if err != nil {
+		m.log.Warn("probing GPUs", zap.Error(err))
+		return
+	}
+	for _, d := range devs {
+		if m.cfg.Device != "" && !strings.EqualFold(m.cfg.Device, "auto") && !strings.EqualFold(m.cfg.Device, d.Library) {
+			continue
+		}
+		budget := d.FreeMemory
+		if m.cfg.MaxMemory > 0 {
+			budget = min(budget, m.cfg.MaxMemory)
+		}
+		m.mu.Lock()
+		m.budget = budget
+		m.meta.Backend = strings.ToLower(d.Library)
+		m.meta.MemFree = budget
+		m.meta.MemTotal = d.TotalMemory
+		m.mu.Unlock()
+		m.event("device", "layers will run on %s %s (%s free)", d.Library, d.Description, humanBytes(d.FreeMemory))
+		m.publish()
+		return
 	}
 }
 
@@ -524,6 +572,7 @@ func (m *mesh) reconcile(ctx context.Context) {
 		m.publish()
 	}
 
+	m.probeDevice(mm)
 	members := m.ml.Members()
 	m.learnAddrs(members)
 	var nodes []planner.Node
@@ -554,6 +603,7 @@ func (m *mesh) reconcile(ctx context.Context) {
 		m.mu.Lock()
 		changed := len(m.plan.Stages) > 0
 		m.plan = planner.Plan{}
+		m.planErr = err
 		m.mu.Unlock()
 		if changed {
 			m.event("plan", "no placement: %v", err)
@@ -562,7 +612,7 @@ func (m *mesh) reconcile(ctx context.Context) {
 	}
 	m.mu.Lock()
 	old := m.plan
-	m.plan = plan
+	m.plan, m.planErr = plan, nil
 	m.mu.Unlock()
 	if plan.String() != old.String() {
 		m.event("plan", "plan for %s: %s", mm.ref.Name, describePlan(plan, members))
@@ -630,7 +680,7 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 	ls := &localStage{start: want.Start, end: want.End}
 	var err error
 	if mm.path != "" {
-		ls.slice, err = ggufstage.Slice(mm.path, m.cfg.DataDir, want.Start, want.End, m.cfg.Progress)
+		ls.slice, err = ggufstage.Slice(mm.path, m.cfg.DataDir, want.Start, want.End, m.loadProgress())
 	} else {
 		ls.slice, ls.fetched, err = m.fetchSlice(ctx, mm, want.Start, want.End)
 	}
@@ -640,13 +690,14 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 	ls.engine, err = ggufstage.Open(ls.slice, want.Start, want.End, ggufstage.Options{
 		Threads: m.cfg.Threads, Context: mm.ref.Context, MaxSeqs: max(mm.ref.Parallel, 1),
 		BatchSize: m.cfg.BatchTokens, FlashAttention: m.cfg.FlashAttention, NoRepack: m.cfg.NoRepack,
-		WireDType: m.cfg.WireDType,
+		WireDType: m.cfg.WireDType, Device: m.cfg.Device,
 	})
 	if err != nil {
 		return err
 	}
+	ls.observed = m.obs.wrapEngine(ls.engine, planModel(mm).StageMemory(want.Start, want.End))
 	ls.server, err = pipeline.NewServer(pipeline.ServerConfig{
-		Engine: ls.engine, Dial: m.dial, ModelID: mm.ref.Name, ModelHash: mm.ref.ID,
+		Engine: ls.observed, Dial: m.dial, ModelID: mm.ref.Name, ModelHash: mm.ref.ID,
 		OnBadPeer: func(p string, err error) { m.event("bad-peer", "peer %s sent a bad frame: %v", p, err) },
 		Logger:    m.log.Named("stage"),
 	})
@@ -695,7 +746,7 @@ func (m *mesh) fetchSlice(ctx context.Context, mm *meshModel, start, end int) (s
 	}
 	defer closeSource(src)
 	res, err := weights.FetchSliceWith(ctx, src, filepath.Join(m.cfg.DataDir, "slices"), start, end,
-		weights.FetchOptions{Progress: weights.Progress(m.cfg.Progress)})
+		weights.FetchOptions{Progress: weights.Progress(m.loadProgress())})
 	if err != nil {
 		return "", 0, err
 	}
@@ -739,7 +790,7 @@ func (m *mesh) ensurePipeline(ctx context.Context, mm *meshModel, plan planner.P
 	}
 	// A whole model on this node runs in process: no hop at all.
 	if len(route) == 1 && route[0].Peer == m.self && local != nil {
-		m.setPipe(route, scheduler.Local(local.engine), nil)
+		m.setPipe(route, scheduler.Local(local.observed), nil)
 		m.event("pipeline", "requests run locally on layers [0,%d)", mm.info.Layers)
 		return
 	}
@@ -772,6 +823,9 @@ func (m *mesh) setPipe(route []pipeline.Hop, p scheduler.Pipeline, remote *pipel
 func (m *mesh) setState(state string) {
 	m.mu.Lock()
 	m.meta.State = state
+	if state != membership.NodeLoading {
+		m.meta.LoadPct = 0
+	}
 	m.mu.Unlock()
 	m.publish()
 }
@@ -930,7 +984,12 @@ func (p *meshPipe) Forward(ctx context.Context, b *stage.Batch) ([]int32, error)
 	if pipe != p.m.current() {
 		return nil, errors.New("pipeline changed under running sequences (replanned)")
 	}
-	return pipe.Forward(ctx, b)
+	start := time.Now()
+	toks, err := pipe.Forward(ctx, b)
+	if err == nil {
+		p.m.obs.stepDone(time.Since(start), len(toks))
+	}
+	return toks, err
 }
 
 func (p *meshPipe) Release(seq stage.SeqID) error {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/meshnode/meshnode/node/admin"
 	"github.com/meshnode/meshnode/node/openai"
 	"github.com/meshnode/meshnode/node/sample"
 	"github.com/meshnode/meshnode/node/scheduler"
@@ -50,9 +51,12 @@ func (m *Model) Prompt(s string) ([]int32, error) { return m.tok.Encode(s, true)
 
 // Generate submits to the scheduler and relays its events.
 func (m *Model) Generate(ctx context.Context, req openai.GenerateRequest) (<-chan openai.Event, error) {
+	obs := m.mesh.obs
 	if err := m.health(); err != nil {
+		obs.metrics.Rejected("unavailable")
 		return nil, fmt.Errorf("%w: %w", openai.ErrUnavailable, err)
 	}
+	tracked := obs.newRequest(len(req.Prompt))
 	in, err := m.sched.Submit(ctx, scheduler.Request{
 		ID: req.RequestID, Prompt: req.Prompt, MaxTokens: req.MaxTokens, Stop: req.Stop,
 		Sampling: sample.Params{
@@ -60,6 +64,9 @@ func (m *Model) Generate(ctx context.Context, req openai.GenerateRequest) (<-cha
 			RepeatPenalty: req.RepeatPenalty, FrequencyPenalty: req.FrequencyPenalty, PresencePenalty: req.PresencePenalty,
 		},
 	})
+	if err != nil {
+		obs.metrics.Rejected(rejectKind(err))
+	}
 	switch {
 	case errors.Is(err, scheduler.ErrOverloaded):
 		return nil, fmt.Errorf("%w: %w", openai.ErrOverloaded, err)
@@ -71,15 +78,46 @@ func (m *Model) Generate(ctx context.Context, req openai.GenerateRequest) (<-cha
 		return nil, fmt.Errorf("%w: %w", openai.ErrInvalidParam, err)
 	}
 	out := make(chan openai.Event)
-	go relay(ctx, in, out)
+	go relay(ctx, in, out, tracked)
 	return out, nil
+}
+
+// rejectKind names a refusal for meshnode_errors_total.
+func rejectKind(err error) string {
+	switch {
+	case errors.Is(err, scheduler.ErrOverloaded):
+		return "overloaded"
+	case errors.Is(err, scheduler.ErrContextLength):
+		return "context_length"
+	case errors.Is(err, scheduler.ErrClosed):
+		return "unavailable"
+	}
+	return "invalid_request"
 }
 
 // relay copies scheduler events to the HTTP layer until the scheduler
 // closes its channel (which it does when ctx ends, too).
-func relay(ctx context.Context, in <-chan scheduler.Event, out chan<- openai.Event) {
+func relay(ctx context.Context, in <-chan scheduler.Event, out chan<- openai.Event, r *request) {
 	defer close(out)
+	recorded := false
+	record := func(outcome string, completion int) {
+		if !recorded {
+			recorded = true
+			r.done(outcome, completion)
+		}
+	}
+	defer record(admin.OutcomeCancelled, 0)
 	for ev := range in {
+		r.token()
+		// The end is recorded before the client sees it.
+		switch {
+		case ev.Done:
+			record(admin.OutcomeOK, ev.CompletionTokens)
+		case ev.Err != nil && ctx.Err() == nil && !errors.Is(ev.Err, context.Canceled):
+			record(admin.OutcomeError, ev.CompletionTokens)
+		case ev.Err != nil:
+			record(admin.OutcomeCancelled, ev.CompletionTokens)
+		}
 		o := openai.Event{Text: ev.Text, Done: ev.Done, FinishReason: ev.FinishReason, Err: ev.Err}
 		if ev.Done || ev.Err != nil {
 			o.Usage = openai.Usage{PromptTokens: ev.PromptTokens, CompletionTokens: ev.CompletionTokens,

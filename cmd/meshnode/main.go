@@ -10,6 +10,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime"
 	"strings"
 	"syscall"
 )
@@ -28,12 +29,10 @@ func commands() []command {
 		{"serve", "start a mesh that serves a model through the OpenAI API", runServe},
 		{"join", "join this machine to a running mesh", runJoin},
 		{"leave", "make the local node leave the mesh gracefully", runLeave},
+		{"status", "show the mesh: nodes, pipeline, speed, health", runStatus},
 		{"bench", "measure prefill and decode speed against ollama's stock engine", runBench},
 		{"dev", "developer tools (gen-model)", runDev},
-		{"version", "print the version", func(context.Context, []string) error {
-			fmt.Println("meshnode", version)
-			return nil
-		}},
+		{"version", "print the version", runVersion},
 	}
 }
 
@@ -77,9 +76,15 @@ func run(ctx context.Context, args []string) int {
 	for _, c := range commands() {
 		if c.name == args[0] {
 			err := c.run(ctx, args[1:])
+			var ee *exitError
 			switch {
 			case err == nil, errors.Is(err, flag.ErrHelp):
 				return 0
+			case errors.As(err, &ee):
+				if ee.msg != "" {
+					fmt.Fprintf(os.Stderr, "meshnode %s: %s\n", c.name, ee.msg)
+				}
+				return ee.code
 			case errors.Is(err, errUsage):
 				return 2
 			case errors.Is(err, context.Canceled):
@@ -96,13 +101,35 @@ func run(ctx context.Context, args []string) int {
 
 var errUsage = errors.New("usage")
 
+// exitError ends a command with a given exit code; msg, if set, goes to
+// stderr.
+type exitError struct {
+	code int
+	msg  string
+}
+
+func (e *exitError) Error() string { return e.msg }
+
+func runVersion(_ context.Context, args []string) error {
+	fs := newFlags("version", "Prints meshnode's version (set at build time), Go version and platform.", `  meshnode version`)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	fmt.Printf("meshnode %s (%s, %s/%s)\n", version, runtime.Version(), runtime.GOOS, runtime.GOARCH)
+	return nil
+}
+
 // newFlags makes a flag set whose --help prints a description, examples and
 // the flags, and whose values can also come from MESHNODE_* variables.
 func newFlags(name, synopsis, examples string) *flag.FlagSet {
 	fs := flag.NewFlagSet("meshnode "+name, flag.ContinueOnError)
 	fs.Usage = func() {
 		w := fs.Output()
-		fmt.Fprintf(w, "Usage: meshnode %s\n\n%s\n\nFlags (each also settable as MESHNODE_<FLAG> in the environment):\n", name, synopsis)
+		fmt.Fprintf(w, "Usage: meshnode %s\n\n%s\n\nFlags (each also settable as MESHNODE_<FLAG> in the environment", name, synopsis)
+		if fs.Lookup("config") != nil {
+			fmt.Fprint(w, ", or as FLAG = VALUE in the --config file")
+		}
+		fmt.Fprint(w, "):\n")
 		fs.PrintDefaults()
 		if examples != "" {
 			fmt.Fprintf(w, "\nExamples:\n%s\n", examples)
@@ -111,8 +138,11 @@ func newFlags(name, synopsis, examples string) *flag.FlagSet {
 	return fs
 }
 
-// parse applies MESHNODE_* environment variables to flags not given on the
-// command line, then the command line.
+// parse sets the flags from the command line, then from MESHNODE_*
+// environment variables for flags not on it, then, when the command has a
+// --config flag and it names a file, from that file for the flags still
+// unset: the command line wins over the environment, which wins over the
+// file.
 func parse(fs *flag.FlagSet, args []string) error {
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -132,9 +162,13 @@ func parse(fs *flag.FlagSet, args []string) error {
 			if e := fs.Set(f.Name, v); e != nil {
 				err = fmt.Errorf("%s=%q: %w", env, v, e)
 			}
+			set[f.Name] = true
 		}
 	})
 	if err != nil {
+		return err
+	}
+	if err := applyConfig(fs, set); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
