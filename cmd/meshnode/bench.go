@@ -69,6 +69,9 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		if cfg.FlashAttn {
 			mc.NodeArgs = append(mc.NodeArgs, "--flash-attn")
 		}
+		if cfg.Device != "" && cfg.Device != "auto" {
+			mc.NodeArgs = append(mc.NodeArgs, "--device", cfg.Device)
+		}
 		if mc.Stages, err = parseCounts("--stages", *stages); err != nil {
 			return err
 		}

@@ -160,14 +160,25 @@ func RunMesh(ctx context.Context, cfg MeshConfig, log io.Writer) (rows []MeshRow
 		for i := 1; i <= maxMeshNodes; i++ {
 			os.RemoveAll(filepath.Join(workDir, fmt.Sprintf("data%d", i)))
 		}
-		if err == nil && removeWork {
-			os.RemoveAll(workDir)
-		} else if err != nil {
+		logs, _ := filepath.Glob(filepath.Join(workDir, "*", "node*.log"))
+		switch {
+		case err != nil && len(logs) > 0:
 			fmt.Fprintf(log, "node logs are kept in %s\n", workDir)
+		case removeWork:
+			os.RemoveAll(workDir)
 		}
 	}()
 
 	var nets []meshNetwork
+	if cfg.Netns {
+		// Set up the namespaces first: a machine that cannot have them
+		// fails before any measurement, not after the loopback ones.
+		lab, err := setupNetns(slices.Max(cfg.Stages), cfg.NetnsDelay, log)
+		if err != nil {
+			return nil, err
+		}
+		defer lab.cleanup(log)
+	}
 	if !cfg.SkipLoopback {
 		nets = append(nets, meshNetwork{name: "loopback"})
 	}
@@ -184,19 +195,6 @@ func RunMesh(ctx context.Context, cfg MeshConfig, log io.Writer) (rows []MeshRow
 	defer client.CloseIdleConnections()
 
 	for _, nw := range nets {
-		if nw.netns {
-			lab, err := setupNetns(slices.Max(cfg.Stages), cfg.NetnsDelay, log)
-			if err != nil {
-				return nil, err
-			}
-			nwRows, err := runNetwork(ctx, cfg, nw, info, tokens, client, workDir, log)
-			lab.cleanup(log)
-			if err != nil {
-				return nil, err
-			}
-			rows = append(rows, nwRows...)
-			continue
-		}
 		nwRows, err := runNetwork(ctx, cfg, nw, info, tokens, client, workDir, log)
 		if err != nil {
 			return nil, err
@@ -308,8 +306,8 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages int, 
 			}
 			rates = append(rates, tps)
 			first = append(first, median(ft))
-			fmt.Fprintf(log, "run %d  %s  stages %d  streams %d  decode %8.2f tok/s  (%d tokens, median first token %.2f s)\n",
-				run+1, nw.name, stages, n, tps, total, median(ft))
+			fmt.Fprintf(log, "run %d  %s  stages %d  streams %d  decode %8.2f tok/s  (%d tokens, median first token %.2f s; load average %s)\n",
+				run+1, nw.name, stages, n, tps, total, median(ft), loadAverage())
 		}
 		rows = append(rows, MeshRow{Network: nw.name, Stages: stages, Streams: n, DecodeTPS: median(rates), Tokens: total,
 			FirstToken: time.Duration(median(first) * float64(time.Second)), Plan: plan})
@@ -393,6 +391,9 @@ func (m *meshRun) start(ctx context.Context, stages int, info ggufstage.ModelInf
 			"--listen", "/ip4/" + host + "/tcp/0",
 			"--gossip-port", "-1",
 			"--log-format", "console",
+			// Teardown stops every node at once: no node could take over
+			// another's layers, so a graceful drain would only wait.
+			"--drain-timeout", "-1s",
 		}
 		if m.nw.apiKey != "" {
 			args = append(args, "--api-key", m.nw.apiKey)
@@ -645,8 +646,14 @@ func (m *meshRun) readyOnce(ctx context.Context, stages int) ([]node.StatusStage
 	if len(st.Plan) != stages {
 		return nil, fmt.Sprintf("a plan of %d stages (node 1 has %d)", stages, len(st.Plan))
 	}
-	if len(st.Nodes) != stages {
-		return nil, fmt.Sprintf("%d members (node 1 sees %d)", stages, len(st.Nodes))
+	live := 0
+	for _, n := range st.Nodes {
+		if n.State != "dead" && n.State != "left" {
+			live++
+		}
+	}
+	if live != stages {
+		return nil, fmt.Sprintf("%d members (node 1 sees %d)", stages, live)
 	}
 	if !st.Ready {
 		return nil, "node 1's pipeline"
