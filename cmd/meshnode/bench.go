@@ -45,6 +45,8 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	stages := fs.String("stages", "1,2,3", "with --mesh: comma-separated stage (process) counts")
 	netnsDelay := fs.String("netns-delay", "", "with --mesh: also run each node in its own network namespace with this netem delay (e.g. 1ms; 0 = none; needs root)")
 	netnsOnly := fs.Bool("netns-only", false, "with --mesh and --netns-delay: skip the loopback meshes")
+	gpuPerNode := fs.Bool("gpu-per-node", false, "with --mesh: node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES)")
+	wire := fs.String("wire-dtype", "", "with --mesh: activations between stages (f16 or f32; default the nodes')")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -72,6 +74,10 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		if cfg.Device != "" && cfg.Device != "auto" {
 			mc.NodeArgs = append(mc.NodeArgs, "--device", cfg.Device)
 		}
+		if *wire != "" {
+			mc.NodeArgs = append(mc.NodeArgs, "--wire-dtype", *wire)
+		}
+		mc.GPUPerNode = *gpuPerNode
 		if mc.Stages, err = parseCounts("--stages", *stages); err != nil {
 			return err
 		}

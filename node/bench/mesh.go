@@ -44,6 +44,7 @@ type MeshConfig struct {
 	Runs         int           // repetitions of each measurement; the median is reported
 	Threads      int           // --threads of every node; 0 = all cores
 	NodeArgs     []string      // extra flags for every node (e.g. --flash-attn)
+	GPUPerNode   bool          // node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES), as on a multi-GPU host
 	SkipLoopback bool          // measure only in network namespaces
 	Netns        bool          // also measure with every node in its own network namespace
 	NetnsDelay   time.Duration // netem delay on each node's veth (0: no qdisc)
@@ -61,6 +62,9 @@ type MeshRow struct {
 	Tokens     int     // completion tokens of all streams (last run)
 	FirstToken time.Duration
 	Plan       []node.StatusStage // node 1's plan while it was measured
+	// Greedy is the text of one fixed greedy request through the mesh,
+	// to check that every stage count generates the same tokens.
+	Greedy string
 }
 
 // netns layout: a bridge on the host, one namespace per node, addresses
@@ -282,6 +286,10 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages int, 
 	if _, err := runStreams(ctx, client, api, nw.apiKey, model, 1, 4, func(int) []int32 { return tokens(99, 0, cfg.PromptTokens) }); err != nil {
 		return nil, fmt.Errorf("warm-up request: %w", err)
 	}
+	greedy, err := runStreams(ctx, client, api, nw.apiKey, model, 1, 32, func(int) []int32 { return tokens(98, 0, cfg.PromptTokens) })
+	if err != nil {
+		return nil, fmt.Errorf("greedy check request: %w", err)
+	}
 	for _, n := range cfg.Streams {
 		var rates []float64
 		var first []float64
@@ -310,7 +318,7 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages int, 
 				run+1, nw.name, stages, n, tps, total, median(ft), loadAverage())
 		}
 		rows = append(rows, MeshRow{Network: nw.name, Stages: stages, Streams: n, DecodeTPS: median(rates), Tokens: total,
-			FirstToken: time.Duration(median(first) * float64(time.Second)), Plan: plan})
+			FirstToken: time.Duration(median(first) * float64(time.Second)), Plan: plan, Greedy: greedy[0].text})
 	}
 	// The plan must not have changed under the measurement.
 	st, err := m.status(ctx)
@@ -460,6 +468,9 @@ func (m *meshRun) launch(i int, args []string) error {
 	cmd := exec.Command(name, argv...)
 	cmd.Stdout, cmd.Stderr = lf, lf
 	cmd.Env = nodeEnv()
+	if m.cfg.GPUPerNode {
+		cmd.Env = append(cmd.Env, fmt.Sprintf("CUDA_VISIBLE_DEVICES=%d", i-1))
+	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
 		lf.Close()
@@ -724,6 +735,7 @@ func promptTokens(vocab int) func(stream, run, n int) []int32 {
 
 // streamResult is one streamed completion as the client saw it.
 type streamResult struct {
+	text   string      // the completion
 	start  time.Time   // request sent
 	first  time.Time   // first text chunk
 	chunks []time.Time // every text chunk, the first included
@@ -830,6 +842,7 @@ func runStream(ctx context.Context, client *http.Client, url, key string, body [
 			return r, fmt.Errorf("server error mid-stream: %s", c.Error.Message)
 		}
 		for _, ch := range c.Choices {
+			r.text += ch.Text
 			if ch.Text != "" {
 				if r.first.IsZero() {
 					r.first = now
@@ -922,6 +935,22 @@ func PrintMesh(w io.Writer, rows []MeshRow) {
 			ratio = fmt.Sprintf("%.2f", r.Ratio)
 		}
 		fmt.Fprintf(w, "%-14s %6d %-18s %7d %13.2f %10s %12.2f\n", r.Network, r.Stages, planLayers(r.Plan), r.Streams, r.DecodeTPS, ratio, r.FirstToken.Seconds())
+	}
+	// Greedy output must not depend on how the model is split.
+	ref := map[string]string{}
+	for _, r := range rows {
+		if r.Stages == 1 {
+			ref[r.Network] = r.Greedy
+		}
+	}
+	for _, r := range rows {
+		if want, ok := ref[r.Network]; ok && r.Stages > 1 && r.Streams == rows[0].Streams {
+			verdict := "equal to"
+			if r.Greedy != want {
+				verdict = "DIFFERENT from"
+			}
+			fmt.Fprintf(w, "greedy text, %s %d stages: %s the 1-stage run's\n", r.Network, r.Stages, verdict)
+		}
 	}
 }
 
