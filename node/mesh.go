@@ -965,6 +965,56 @@ func (p *meshPipe) Open(seq stage.SeqID, sp sample.Params, prompt []int32) error
 }
 
 func (p *meshPipe) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
+	pipe, err := p.pipeOf(b)
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	toks, err := pipe.Forward(ctx, b)
+	if err == nil {
+		p.m.obs.stepDone(time.Since(start), len(toks))
+	}
+	return toks, err
+}
+
+// Lanes is how many batches are worth keeping in flight: one per stage of
+// the current route (1 when it runs in process).
+func (p *meshPipe) Lanes() int {
+	if r, ok := p.m.current().(*pipeline.Pipeline); ok {
+		return len(r.Route())
+	}
+	return 1
+}
+
+// Submit sends a batch without waiting for it (pipelining).
+func (p *meshPipe) Submit(ctx context.Context, b *stage.Batch) (func(context.Context) ([]int32, error), error) {
+	pipe, err := p.pipeOf(b)
+	if err != nil {
+		return nil, err
+	}
+	r, ok := pipe.(*pipeline.Pipeline)
+	if !ok {
+		toks, err := pipe.Forward(ctx, b)
+		return func(context.Context) ([]int32, error) { return toks, err }, nil
+	}
+	start := time.Now()
+	call, err := r.Submit(ctx, b)
+	if err != nil {
+		return nil, err
+	}
+	return func(ctx context.Context) ([]int32, error) {
+		res, err := call.Wait(ctx)
+		if err != nil {
+			return nil, err
+		}
+		p.m.obs.stepDone(time.Since(start), len(res.Tokens))
+		return res.Tokens, nil
+	}, nil
+}
+
+// pipeOf is the pipeline a batch's sequences were opened on, which must be
+// the current one.
+func (p *meshPipe) pipeOf(b *stage.Batch) (scheduler.Pipeline, error) {
 	p.mu.Lock()
 	var pipe scheduler.Pipeline
 	for _, s := range b.Seqs {
@@ -984,12 +1034,7 @@ func (p *meshPipe) Forward(ctx context.Context, b *stage.Batch) ([]int32, error)
 	if pipe != p.m.current() {
 		return nil, errors.New("pipeline changed under running sequences (replanned)")
 	}
-	start := time.Now()
-	toks, err := pipe.Forward(ctx, b)
-	if err == nil {
-		p.m.obs.stepDone(time.Since(start), len(toks))
-	}
-	return toks, err
+	return pipe, nil
 }
 
 func (p *meshPipe) Release(seq stage.SeqID) error {

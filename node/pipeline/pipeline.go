@@ -867,3 +867,6 @@ func (p *Pipeline) probe() int {
 	wg.Wait()
 	return slices.Index(failed, true)
 }
+
+// Route is the pipeline's hops, in order.
+func (p *Pipeline) Route() []Hop { return append([]Hop(nil), p.cfg.Route...) }

@@ -44,6 +44,15 @@ type Pipeline interface {
 	Release(seq stage.SeqID) error
 }
 
+// Submitter is a Pipeline that can hold several batches in flight, each on
+// a different stage: pipelining. Lanes is how many are worth keeping in
+// flight (the number of stages); Submit sends a batch and returns a
+// function that waits for its tokens.
+type Submitter interface {
+	Lanes() int
+	Submit(ctx context.Context, b *stage.Batch) (wait func(context.Context) ([]int32, error), err error)
+}
+
 // Config sizes the scheduler.
 type Config struct {
 	Parallel    int // sequences generating at once; at most the pipeline's MaxSeqs
@@ -103,6 +112,8 @@ type Scheduler struct {
 
 	incoming chan *seq
 	nextID   atomic.Uint64
+
+	nextLane int // round-robin lane of the next admitted sequence
 
 	mu     sync.Mutex
 	stats  Stats
@@ -165,6 +176,9 @@ type seq struct {
 	waitUntil  time.Time
 	recoveries int
 	replayed   int // tokens re-fed by replays, not counted as prompt again
+
+	lane int  // micro-batch group when pipelining
+	busy bool // in a batch that is in flight
 }
 
 // pending is the number of tokens to feed before the next token can be
@@ -310,6 +324,8 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			waiting = waiting[1:]
 			q.opened = true
 			q.waitUntil = time.Time{}
+			q.lane = s.nextLane
+			s.nextLane++
 			active = append(active, q)
 		}
 		s.mu.Lock()
@@ -325,7 +341,11 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			continue
 		}
 		var replay []*seq
-		active, replay = s.step(ctx, active)
+		if sub, ok := s.pipe.(Submitter); ok && sub.Lanes() > 1 {
+			active, replay = s.stepPipelined(ctx, sub, active)
+		} else {
+			active, replay = s.step(ctx, active)
+		}
 		waiting = append(replay, waiting...)
 		s.mu.Lock()
 		s.stats.Active, s.stats.Waiting = len(active), len(waiting)
@@ -334,7 +354,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 }
 
 func (s *Scheduler) dropIfGone(q *seq) bool {
-	if q.ctx.Err() == nil {
+	if q.ctx.Err() == nil || q.busy {
 		return false
 	}
 	s.finish(q, Event{Err: q.ctx.Err()})
@@ -344,17 +364,34 @@ func (s *Scheduler) dropIfGone(q *seq) bool {
 // step runs one forward pass over the active sequences and returns those
 // still generating, and those to replay on a new pipeline.
 func (s *Scheduler) step(ctx context.Context, active []*seq) (next, replay []*seq) {
-	ws := make([]want, len(active))
-	for i, q := range active {
+	b, take, outs := s.build(active)
+	if b.Rows() == 0 {
+		return active, nil
+	}
+	start := time.Now()
+	toks, err := s.pipe.Forward(ctx, b)
+	s.count(time.Since(start))
+	if err == nil && len(toks) != len(outs) {
+		err = fmt.Errorf("pipeline returned %d tokens for %d output rows", len(toks), len(outs))
+	}
+	if err != nil {
+		return nil, s.replay(active, err)
+	}
+	return s.apply(active, take, outs, toks), nil
+}
+
+// build makes the next batch of a group of sequences: one token for each
+// decoding sequence, prompt chunks for the others, within the budget.
+func (s *Scheduler) build(group []*seq) (b *stage.Batch, take []int, outs []*seq) {
+	ws := make([]want, len(group))
+	for i, q := range group {
 		if q.prefilling() {
 			ws[i] = want{prefill: q.pending()}
 		}
 	}
-	take := planBatch(ws, s.cfg.BatchTokens)
-
-	var b stage.Batch
-	var outs []*seq
-	for i, q := range active {
+	take = planBatch(ws, s.cfg.BatchTokens)
+	b = &stage.Batch{}
+	for i, q := range group {
 		for k := range take[i] {
 			pos := q.fed + k
 			b.Seqs = append(b.Seqs, q.id)
@@ -366,55 +403,55 @@ func (s *Scheduler) step(ctx context.Context, active []*seq) (next, replay []*se
 			outs = append(outs, q)
 		}
 	}
-	if b.Rows() == 0 {
-		return active, nil
-	}
+	return b, take, outs
+}
 
-	start := time.Now()
-	toks, err := s.pipe.Forward(ctx, &b)
-	elapsed := time.Since(start)
+func (s *Scheduler) count(elapsed time.Duration) {
 	s.mu.Lock()
 	s.stats.Forwards++
 	s.stats.ForwardSeconds += elapsed.Seconds()
 	s.mu.Unlock()
-	if err == nil && len(toks) != len(outs) {
-		err = fmt.Errorf("pipeline returned %d tokens for %d output rows", len(toks), len(outs))
-	}
-	if err != nil {
-		// The pipeline broke (a stage died, stalled or sent garbage): replay
-		// every sequence on the next one. Each keeps its history, so the
-		// client sees neither a gap nor a repeat.
-		s.log.Warn("forward pass failed; replaying sequences on the next pipeline", zap.Error(err), zap.Int("sequences", len(active)))
-		s.mu.Lock()
-		s.stats.Replays += uint64(len(active))
-		s.mu.Unlock()
-		for _, q := range active {
-			if q.opened {
-				s.pipe.Release(q.id) // best effort: the old pipeline may be gone
-				q.opened = false
-			}
-			q.recoveries++
-			if q.recoveries > s.cfg.MaxRecoveries {
-				s.finish(q, Event{Err: fmt.Errorf("forward pass failed %d times: %w", q.recoveries, err)})
-				continue
-			}
-			q.replayed += q.fed
-			q.fed = 0
-			replay = append(replay, q)
+}
+
+// replay handles a broken pipeline: every sequence is reopened on the next
+// one with its history, so the client sees neither a gap nor a repeat.
+func (s *Scheduler) replay(group []*seq, err error) (replay []*seq) {
+	s.log.Warn("forward pass failed; replaying sequences on the next pipeline", zap.Error(err), zap.Int("sequences", len(group)))
+	s.mu.Lock()
+	s.stats.Replays += uint64(len(group))
+	s.mu.Unlock()
+	for _, q := range group {
+		q.busy = false
+		if q.opened {
+			s.pipe.Release(q.id) // best effort: the old pipeline may be gone
+			q.opened = false
 		}
-		return nil, replay
+		q.recoveries++
+		if q.recoveries > s.cfg.MaxRecoveries {
+			s.finish(q, Event{Err: fmt.Errorf("forward pass failed %d times: %w", q.recoveries, err)})
+			continue
+		}
+		q.replayed += q.fed
+		q.fed = 0
+		replay = append(replay, q)
 	}
+	return replay
+}
+
+// apply takes a batch's results: positions advance, sampled tokens are
+// streamed, finished sequences leave. It returns the group still active.
+func (s *Scheduler) apply(group []*seq, take []int, outs []*seq, toks []int32) []*seq {
 	var prompt uint64
-	for i, q := range active {
+	for i, q := range group {
 		if q.prefilling() {
 			prompt += uint64(take[i])
 		}
 		q.fed += take[i]
+		q.busy = false
 	}
 	s.mu.Lock()
 	s.stats.PromptTokens += prompt
 	s.mu.Unlock()
-
 	finished := map[*seq]bool{}
 	for r, q := range outs {
 		if reason, done := s.accept(q, toks[r]); done {
@@ -422,7 +459,80 @@ func (s *Scheduler) step(ctx context.Context, active []*seq) (next, replay []*se
 			finished[q] = true
 		}
 	}
-	return slices.DeleteFunc(active, func(q *seq) bool { return finished[q] }), nil
+	return slices.DeleteFunc(group, func(q *seq) bool { return finished[q] })
+}
+
+// flight is a batch in flight on a pipelined route.
+type flight struct {
+	group []*seq
+	take  []int
+	outs  []*seq
+	wait  func(context.Context) ([]int32, error)
+	start time.Time
+}
+
+// stepPipelined keeps one batch in flight per lane, so that while one
+// micro-batch is on stage 2 the next is already on stage 1, then takes the
+// oldest result. On a single machine this changes little; across machines
+// it is what lets throughput grow with the number of stages.
+func (s *Scheduler) stepPipelined(ctx context.Context, sub Submitter, active []*seq) (next, replay []*seq) {
+	lanes := sub.Lanes()
+	var flights []*flight
+	for lane := range lanes {
+		var group []*seq
+		for _, q := range active {
+			if q.lane%lanes == lane && !q.busy {
+				group = append(group, q)
+			}
+		}
+		if len(group) == 0 {
+			continue
+		}
+		b, take, outs := s.build(group)
+		if b.Rows() == 0 {
+			continue
+		}
+		wait, err := sub.Submit(ctx, b)
+		if err != nil {
+			// Wait out what is in flight, then replay everything.
+			for _, f := range flights {
+				f.wait(ctx)
+			}
+			return nil, s.replay(active, err)
+		}
+		for _, q := range group {
+			q.busy = true
+		}
+		flights = append(flights, &flight{group: group, take: take, outs: outs, wait: wait, start: time.Now()})
+	}
+	if len(flights) == 0 {
+		return active, nil
+	}
+	var failed error
+	for _, f := range flights {
+		toks, err := f.wait(ctx)
+		s.count(time.Since(f.start))
+		if err == nil && len(toks) != len(f.outs) {
+			err = fmt.Errorf("pipeline returned %d tokens for %d output rows", len(toks), len(f.outs))
+		}
+		if err != nil || failed != nil {
+			if failed == nil {
+				failed = err
+			}
+			continue
+		}
+		s.apply(f.group, f.take, f.outs, toks)
+	}
+	if failed != nil {
+		var all []*seq
+		for _, q := range active {
+			if q.events != nil {
+				all = append(all, q)
+			}
+		}
+		return nil, s.replay(all, failed)
+	}
+	return slices.DeleteFunc(active, func(q *seq) bool { return q.events == nil }), nil
 }
 
 // accept appends a sampled token, streams its text, and says whether the

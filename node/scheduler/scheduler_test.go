@@ -357,3 +357,76 @@ func TestReplayAfterPipelineFailure(t *testing.T) {
 		})
 	}
 }
+
+// lanes makes a local pipeline look like a route of n stages that takes
+// batches without waiting for them; results come back in order.
+type lanes struct {
+	Pipeline
+	n         int
+	mu        sync.Mutex
+	submitted int
+	failAt    int
+}
+
+func (l *lanes) Lanes() int { return l.n }
+
+func (l *lanes) Submit(ctx context.Context, b *stage.Batch) (func(context.Context) ([]int32, error), error) {
+	l.mu.Lock()
+	l.submitted++
+	fail := l.submitted == l.failAt
+	l.mu.Unlock()
+	if fail {
+		return func(context.Context) ([]int32, error) { return nil, errors.New("hop 2 stalled") }, nil
+	}
+	toks, err := l.Pipeline.Forward(ctx, b)
+	return func(context.Context) ([]int32, error) { return toks, err }, nil
+}
+
+// TestPipelinedMatchesSequential: with batches split into lanes that are in
+// flight at once, every request still gets exactly its sequential text,
+// also through a failure in the middle.
+func TestPipelinedMatchesSequential(t *testing.T) {
+	prompts := []string{"Once upon a time", "The little dog", "Lily and Tom", "One day, a bird", "The sun was", "Max liked to"}
+	run := func(pipe func(Pipeline) Pipeline) ([]string, Stats) {
+		eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 8, Context: 512})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer eng.Close()
+		tok, _ := ggufstage.LoadTokenizer(storiesPath)
+		s := New(pipe(Local(eng)), tok, Config{Parallel: 8}, nil)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { s.Run(ctx); close(done) }()
+		defer func() { cancel(); <-done }()
+		out := make([]string, len(prompts))
+		var wg sync.WaitGroup
+		for i, p := range prompts {
+			ids, _ := tok.Encode(p, true)
+			ch, err := s.Submit(context.Background(), Request{Prompt: ids, MaxTokens: 24, Sampling: greedy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			wg.Add(1)
+			go func() { defer wg.Done(); out[i], _ = collect(t, ch) }()
+		}
+		wg.Wait()
+		return out, s.Stats()
+	}
+	want, _ := run(func(p Pipeline) Pipeline { return p })
+	for _, tc := range []struct {
+		name   string
+		n      int
+		failAt int
+	}{{"3 lanes", 3, 0}, {"2 lanes, failure", 2, 7}} {
+		got, st := run(func(p Pipeline) Pipeline { return &lanes{Pipeline: p, n: tc.n, failAt: tc.failAt} })
+		for i := range prompts {
+			if got[i] != want[i] {
+				t.Errorf("%s: %q: %q, sequential %q", tc.name, prompts[i], got[i], want[i])
+			}
+		}
+		if tc.failAt > 0 && st.Replays == 0 {
+			t.Errorf("%s: no replay after the failure", tc.name)
+		}
+	}
+}
