@@ -270,19 +270,8 @@ func (e *Engine) Release(seq stage.SeqID) (err error) {
 
 // Forward runs the batch through the stage's layers.
 func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output, err error) {
-	if err := b.Validate(e.info); err != nil {
-		return nil, err
-	}
-	if b.Rows() > e.batch {
-		return nil, fmt.Errorf("stage: batch of %d rows is over the engine's %d", b.Rows(), e.batch)
-	}
-	var hidden []float32
-	if !e.info.First() {
-		if hidden, err = b.Hidden.Float32(); err != nil {
-			return nil, err
-		}
-	}
-	if err := ctx.Err(); err != nil {
+	hidden, err := stage.Prepare(ctx, b, e.info, e.batch)
+	if err != nil {
 		return nil, err
 	}
 

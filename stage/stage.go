@@ -165,3 +165,21 @@ type Memory struct {
 func (m Memory) Total(tokens int) uint64 {
 	return m.Weights + m.KVPerToken*uint64(tokens) + m.Compute
 }
+
+// Prepare is what every engine does before a forward pass: it validates the
+// batch against the engine (info, at most maxRows rows), decodes the
+// incoming hidden states (nil for the first stage), and checks ctx.
+func Prepare(ctx context.Context, b *Batch, info Info, maxRows int) (hidden []float32, err error) {
+	if err := b.Validate(info); err != nil {
+		return nil, err
+	}
+	if b.Rows() > maxRows {
+		return nil, fmt.Errorf("stage: batch of %d rows is over the engine's %d", b.Rows(), maxRows)
+	}
+	if !info.First() {
+		if hidden, err = b.Hidden.Float32(); err != nil {
+			return nil, err
+		}
+	}
+	return hidden, ctx.Err()
+}
