@@ -977,9 +977,18 @@ func (p *meshPipe) Forward(ctx context.Context, b *stage.Batch) ([]int32, error)
 	return toks, err
 }
 
-// Lanes is how many batches are worth keeping in flight: one per stage of
-// the current route (1 when it runs in process).
+// Lanes is how many batches are kept in flight: with --pipelining, one per
+// stage of the current route; else (and when it runs in process) one.
+//
+// Pipelining is off by default because it measured worse where it could
+// be measured: stages sharing a machine's cores compute at once and ggml's
+// spinning threads starve each other (8 streams on 2 CPU stages fell from
+// 60 to 7 tok/s), and on two GPUs halving each batch cost more than the
+// overlap won. It is for stages on separate machines.
 func (p *meshPipe) Lanes() int {
+	if !p.m.cfg.Pipelining {
+		return 1
+	}
 	if r, ok := p.m.current().(*pipeline.Pipeline); ok {
 		return len(r.Route())
 	}
