@@ -520,7 +520,7 @@ func (m *mesh) probeDevice(mm *meshModel) {
 		m.meta.MemFree = budget
 		m.meta.MemTotal = d.TotalMemory
 		m.mu.Unlock()
-		m.event("device", "layers will run on %s %s (%s free)", d.Library, d.Description, humanBytes(d.FreeMemory))
+		m.event("device", "layers will run on %s %s (%s free)", d.Library, d.Description, HumanBytes(d.FreeMemory))
 		m.publish()
 		return
 	}
@@ -719,7 +719,7 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 		m.event("unload", "stopped serving layers [%d,%d)", cur.start, cur.end)
 	}
 	m.setState(membership.NodeReady)
-	m.event("load", "serving layers [%d,%d) of %s (%s of weights)", want.Start, want.End, mm.ref.Name, humanBytes(ls.engine.WeightBytes()))
+	m.event("load", "serving layers [%d,%d) of %s (%s of weights)", want.Start, want.End, mm.ref.Name, HumanBytes(ls.engine.WeightBytes()))
 	return nil
 }
 
@@ -750,7 +750,7 @@ func (m *mesh) fetchSlice(ctx context.Context, mm *meshModel, start, end int) (s
 	if err != nil {
 		return "", 0, err
 	}
-	m.event("fetch", "fetched layers [%d,%d) from %s: %s", start, end, src, humanBytes(res.Fetched))
+	m.event("fetch", "fetched layers [%d,%d) from %s: %s", start, end, src, HumanBytes(res.Fetched))
 	return res.Path, res.Fetched, nil
 }
 
@@ -1063,7 +1063,9 @@ func sortedMembers(ms []membership.Member) []membership.Member {
 	return ms
 }
 
-func humanBytes(n uint64) string {
+// HumanBytes formats a byte count in binary units (KiB, MiB, ...), as the
+// node's logs and the CLI print sizes.
+func HumanBytes(n uint64) string {
 	const unit = 1024
 	if n < unit {
 		return fmt.Sprintf("%d B", n)

@@ -185,7 +185,7 @@ func Run(ctx context.Context, cfg Config) error {
 		cfg.JoinCommand(m.host.JoinCommand())
 	}
 	log.Info("node up", zap.String("peer", m.self), zap.Strings("addrs", m.meta.Addrs),
-		zap.String("offers", humanBytes(m.budget)), zap.Float64("speed_gbps", m.speed))
+		zap.String("offers", HumanBytes(m.budget)), zap.Float64("speed_gbps", m.speed))
 
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()

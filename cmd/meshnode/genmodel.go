@@ -7,6 +7,8 @@ import (
 	"strings"
 
 	"github.com/meshnode/meshnode/ggufstage/synth"
+
+	"github.com/meshnode/meshnode/node"
 )
 
 func runGenModel(_ context.Context, args []string) error {
@@ -64,6 +66,6 @@ Presets: tiny (3 layers, n_embd 128), 1b (Llama 3.2 1B shape, vocab 32000),
 	if err := synth.Write(*out, spec, func(done, total int64) { progress(what, uint64(done), uint64(total)) }); err != nil {
 		return err
 	}
-	fmt.Printf("wrote %s (%s)\n", *out, human(uint64(synth.Size(spec))))
+	fmt.Printf("wrote %s (%s)\n", *out, node.HumanBytes(uint64(synth.Size(spec))))
 	return nil
 }

@@ -8,6 +8,8 @@ import (
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/meshnode/meshnode/node"
 )
 
 func newLogger(format, level string) (*zap.Logger, error) {
@@ -52,11 +54,11 @@ func newProgress(w io.Writer) func(what string, done, total uint64) {
 		last = now
 		el := now.Sub(start).Seconds()
 		rate := float64(done) / max(el, 1e-3)
-		line := fmt.Sprintf("\r%s: %s", what, human(done))
+		line := fmt.Sprintf("\r%s: %s", what, node.HumanBytes(done))
 		if total > 0 {
-			line += fmt.Sprintf(" / %s (%.0f%%)", human(total), 100*float64(done)/float64(total))
+			line += fmt.Sprintf(" / %s (%.0f%%)", node.HumanBytes(total), 100*float64(done)/float64(total))
 			if rate > 0 && !finished {
-				line += fmt.Sprintf(", %s/s, %s left", human(uint64(rate)), time.Duration(float64(total-done)/rate*float64(time.Second)).Round(time.Second))
+				line += fmt.Sprintf(", %s/s, %s left", node.HumanBytes(uint64(rate)), time.Duration(float64(total-done)/rate*float64(time.Second)).Round(time.Second))
 			}
 		}
 		fmt.Fprintf(w, "%-100s", line)
@@ -64,17 +66,4 @@ func newProgress(w io.Writer) func(what string, done, total uint64) {
 			fmt.Fprintln(w)
 		}
 	}
-}
-
-func human(n uint64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	div, exp := uint64(unit), 0
-	for m := n / unit; m >= unit; m /= unit {
-		div *= unit
-		exp++
-	}
-	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
 }

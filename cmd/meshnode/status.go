@@ -18,6 +18,8 @@ import (
 	"unicode/utf8"
 
 	"github.com/meshnode/meshnode/node/admin"
+
+	"github.com/meshnode/meshnode/node"
 )
 
 // Exit codes of meshnode status.
@@ -396,9 +398,9 @@ func renderStatus(w io.Writer, url string, st *admin.Status, color bool) {
 		if n.MemOffered > 0 || n.MemUsed > 0 {
 			used := "–"
 			if n.Stats != nil {
-				used = human(n.MemUsed)
+				used = node.HumanBytes(n.MemUsed)
 			}
-			mem = fmt.Sprintf("%s / %s", used, human(n.MemOffered))
+			mem = fmt.Sprintf("%s / %s", used, node.HumanBytes(n.MemOffered))
 		}
 		var layers []string
 		for _, s := range n.Serving {
