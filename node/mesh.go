@@ -61,6 +61,8 @@ type mesh struct {
 	speed   float64
 	self    string
 
+	pubMu sync.Mutex // publish's turn
+
 	mu     sync.Mutex
 	model  *meshModel
 	local  *localStage
@@ -878,7 +880,14 @@ func (m *mesh) setState(state string) {
 	m.publish()
 }
 
+// publish gossips the node's metadata. Publishers take turns (pubMu):
+// memberlist's UpdateNode reads the local node's state outside its lock
+// while a concurrent UpdateNode writes it (a data race that go test -race
+// reports when Run and the reconcile loop publish at once), and in turns
+// the last publisher's metadata is the one that stays.
 func (m *mesh) publish() {
+	m.pubMu.Lock()
+	defer m.pubMu.Unlock()
 	m.mu.Lock()
 	meta := m.meta
 	m.mu.Unlock()
