@@ -32,7 +32,7 @@ test:
 	$(GO) vet -tags '$(TAGS)' ./...
 	test -z "$$(gofmt -l .)" || (gofmt -l .; echo "gofmt: the files above need formatting"; exit 1)
 	$(GO) test -tags '$(TAGS)' -count=1 -timeout 60m ./...
-	$(GO) test -race -count=1 -timeout 20m ./stage/... ./node/planner/ ./node/membership/ ./node/openai/ ./node/text/ ./node/sample/ ./node/wire/ ./node/weights/ ./node/admin/ ./ggufstage/gguf/
+	$(GO) test -race -count=1 -timeout 20m ./stage/... ./node/ ./node/pipeline/ ./node/planner/ ./node/membership/ ./node/openai/ ./node/text/ ./node/sample/ ./node/wire/ ./node/weights/ ./node/admin/ ./ggufstage/gguf/
 	$(MAKE) fuzz
 
 # Each fuzz target runs for FUZZTIME on top of its committed seed corpus.
