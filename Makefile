@@ -7,7 +7,7 @@
 GO        ?= go
 OLLAMA_DIR = $(shell $(GO) list -m -f '{{.Dir}}' github.com/ollama/ollama)
 MARCH     ?= native
-GGML_INC   = -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/include
+GGML_INC   = -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/include -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/src
 
 export CGO_ENABLED  = 1
 export CGO_CFLAGS   = -O3 -march=$(MARCH)

@@ -4,7 +4,10 @@ package ggufstage
 
 // repacker is absent from builds without the repack tag: quantized weights
 // stay in ggml's plain layout (correct, slower on CPU).
-type repacker struct{}
+type repacker struct{ own int }
+
+// useQ4X16: meshnode's own Q4_0 kernel needs the repack build.
+var useQ4X16 = false
 
 func newRepacker() *repacker { return nil }
 
@@ -18,3 +21,5 @@ func repackCPU() bool { return false }
 
 // RepackAvailable reports whether this build can repack weights.
 const RepackAvailable = false
+
+func q4x16Check(k, n, m, threads int, seed uint32) float64 { return -1 }

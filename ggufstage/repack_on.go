@@ -15,6 +15,7 @@ package ggufstage
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
+#include "q4x16.h"
 
 static ggml_backend_buffer_type_t meshnode_repack_buft(void) {
 	ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
@@ -90,9 +91,15 @@ import (
 // RepackAvailable reports whether this build can repack weights.
 const RepackAvailable = true
 
+// useQ4X16 selects meshnode's own Q4_0 kernel (q4x16_amd64.cpp) over
+// ggml's repacked one where the CPU has AVX512-VNNI; tests turn it off to
+// compare the two.
+var useQ4X16 = true
+
 type repacker struct {
 	buft C.ggml_backend_buffer_type_t
 	bufs []C.ggml_backend_buffer_t
+	own  int // of bufs, those in meshnode's Q4X16 layout
 }
 
 func newRepacker() *repacker {
@@ -135,6 +142,13 @@ func (r *repacker) take(target ml.Tensor, data []byte) bool {
 	if uint64(C.ggml_nbytes(ct)) != uint64(len(data)) {
 		return false
 	}
+	if useQ4X16 {
+		if buf := C.meshnode_q4x16_take(ct, unsafe.Pointer(&data[0])); buf != nil {
+			r.bufs = append(r.bufs, buf)
+			r.own++
+			return true
+		}
+	}
 	buf := C.meshnode_repack(r.buft, ct, unsafe.Pointer(&data[0]))
 	if buf == nil {
 		return false
@@ -165,4 +179,11 @@ func (r *repacker) Close() error {
 	}
 	r.bufs = nil
 	return nil
+}
+
+// q4x16Check runs the Q4X16 self-test: max|Q4X16 − plain| / max|plain| for
+// a random [k,n] weight times a [k,m] activation, or -1 where the kernel
+// cannot run.
+func q4x16Check(k, n, m, threads int, seed uint32) float64 {
+	return float64(C.meshnode_q4x16_check(C.int(k), C.int(n), C.int(m), C.int(threads), C.uint(seed)))
 }

@@ -251,6 +251,23 @@ func TestRepackedMatchesPlain(t *testing.T) {
 					identical = identical && slices.Equal(got[i], want[i])
 				}
 				t.Logf("%d tensors repacked; logits bit-identical: %v", done, identical)
+				// meshnode's Q4_0 kernel sums the same integers as ggml's
+				// repacked one, from identically quantized activations.
+				if own := fast.stages[0].extra.(*repacker).own; own > 0 {
+					useQ4X16 = false
+					defer func() { useQ4X16 = true }()
+					ggmlFast := openSplit(t, src, []int{0, 3}, tinyOpts)
+					defer ggmlFast.close()
+					if rp := ggmlFast.stages[0].extra.(*repacker); rp.own != 0 || rp.count() != done {
+						t.Fatalf("with Q4X16 off: %d of %d tensors repacked in Q4X16, want 0 of %d", rp.own, rp.count(), done)
+					}
+					ref := runScenario(t, ggmlFast, synthScenario)
+					rel := relErr(got, ref)
+					t.Logf("%d tensors in meshnode's Q4X16 layout: ‖q4x16 − ggml repacked‖/‖ggml repacked‖ = %.3g", own, rel)
+					if !(rel <= q4x16Bound*10) {
+						t.Errorf("Q4X16 logits differ from ggml's repacked ones by %.3g relative, over %g", rel, q4x16Bound*10)
+					}
+				}
 				// With nothing repacked the two engines are the same computation.
 				if done == 0 && !identical {
 					t.Error("no tensor was repacked, yet the logits differ from the plain engine's")
