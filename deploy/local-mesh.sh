@@ -23,8 +23,13 @@
 #          directory (data dirs, logs, API key).
 #
 # Options of up:
-#   --delay D        netem delay on every node's link, e.g. 1ms (the kernel
-#                    needs sch_netem; without it up fails and cleans up)
+#   --delay D        delay on every node's link, e.g. 1ms: a netem qdisc
+#                    where the kernel has sch_netem; else a userspace delay
+#                    relay (needs nft and python3): in every namespace an
+#                    nftables rule sends the node's libp2p connections
+#                    (port 4001: stages and weights; gossip and HTTP are not
+#                    delayed) to a relay on the bridge, which forwards every
+#                    chunk D after it read it, each way
 #   --rate R         tbf rate limit on every node's link, e.g. 100mbit
 #                    (not together with --delay)
 #   --model PATH     GGUF for node 1 (default ../shared/models/stories260K.gguf
@@ -47,7 +52,9 @@
 # key: up generates one into <dir>/api-key (kept between runs), gives it
 # to every node with --api-key-file and prints it; clients send
 # "Authorization: Bearer <key>". Logs are <dir>/nodeI.log, data dirs
-# <dir>/nodeI, pids <dir>/nodeI.pid.
+# <dir>/nodeI, pids <dir>/nodeI.pid. The delay relay, when --delay needs
+# it, listens on <net>.1:(41000+I) for node I; its pid is <dir>/relay.pid
+# and its log <dir>/relay.log.
 #
 # Defaults, overridable through the environment (the tests use their own):
 #   LOCAL_MESH_PREFIX  mn-                  names of bridge, namespaces, links
@@ -89,6 +96,17 @@ need_root() {
 
 node_addr() { echo "${NET}.$((10 + $1))"; }
 
+# netem_works: whether this kernel has the netem qdisc (tried on a
+# throwaway veth pair).
+netem_works() {
+	local a="${PREFIX}probe0" ok=1
+	ip link del "$a" 2>/dev/null || true
+	ip link add "$a" type veth peer name "${PREFIX}probe1" 2>/dev/null || return 1
+	tc qdisc add dev "$a" root netem delay 1ms 2>/dev/null || ok=0
+	ip link del "$a" 2>/dev/null || true
+	[ $ok -eq 1 ]
+}
+
 # namespaces lists this prefix's node namespaces.
 namespaces() {
 	ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${PREFIX}node[0-9]+\$" || true
@@ -98,6 +116,11 @@ namespaces() {
 # must not kill whatever reuses the number).
 is_meshnode() {
 	[ -r "/proc/$1/cmdline" ] && tr '\0' ' ' <"/proc/$1/cmdline" | grep -q meshnode
+}
+
+# is_relay PID: whether PID is still this script's delay relay.
+is_relay() {
+	[ -r "/proc/$1/cmdline" ] && tr '\0' ' ' <"/proc/$1/cmdline" | grep -q meshnode-delay-relay
 }
 
 # stop_pids PID...: SIGTERM, up to 5 s for a clean exit, then SIGKILL.
@@ -140,6 +163,12 @@ cmd_down() {
 	done
 	[ ${#pids[@]} -gt 0 ] && stop_pids "${pids[@]}"
 	rm -f "$DIR"/node*.pid
+	if [ -f "$DIR/relay.pid" ]; then
+		local rp
+		rp=$(cat "$DIR/relay.pid")
+		is_relay "$rp" && kill -TERM "$rp" 2>/dev/null || true
+		rm -f "$DIR/relay.pid"
+	fi
 	for ns in $(namespaces); do
 		ip netns del "$ns" 2>/dev/null || true
 	done
@@ -186,6 +215,127 @@ start_node() {
 		exec setsid ip netns exec "$ns" "$BIN" "$@" --api-key-file "$DIR/api-key" >"$log" 2>&1 </dev/null
 	) &
 	echo $! >"$DIR/node$i.pid"
+}
+
+# The delay relay: one listener per node on the bridge's address, each
+# forwarding to that node's libp2p port; every chunk read is written on
+# DELAY seconds later, in both directions, without slowing the rate.
+relay_py() {
+	cat <<'PY'
+import asyncio, sys, time
+
+delay = float(sys.argv[1])
+host = sys.argv[2]
+routes = [a.split("=") for a in sys.argv[3:]]  # PORT=DSTHOST:DSTPORT
+
+
+async def pump(reader, writer):
+    q = asyncio.Queue()
+
+    async def read():
+        while True:
+            data = await reader.read(65536)
+            q.put_nowait((time.monotonic() + delay, data))
+            if not data:
+                return
+
+    async def write():
+        while True:
+            due, data = await q.get()
+            wait = due - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not data:
+                if writer.can_write_eof():
+                    writer.write_eof()
+                return
+            writer.write(data)
+            await writer.drain()
+
+    await asyncio.gather(read(), write())
+
+
+async def serve(dst, reader, writer):
+    dhost, dport = dst.rsplit(":", 1)
+    try:
+        r2, w2 = await asyncio.open_connection(dhost, int(dport))
+    except OSError as e:
+        print("meshnode-delay-relay: %s: %s" % (dst, e), flush=True)
+        writer.close()
+        return
+    print("meshnode-delay-relay: %s -> %s" % (writer.get_extra_info("peername")[0], dst), flush=True)
+    try:
+        await asyncio.gather(pump(reader, w2), pump(r2, writer))
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+        w2.close()
+
+
+async def main():
+    servers = []
+    for port, dst in routes:
+        cb = lambda r, w, dst=dst: serve(dst, r, w)
+        servers.append(await asyncio.start_server(cb, host, int(port)))
+    print("meshnode-delay-relay: %d routes, %.6f s each way" % (len(routes), delay), flush=True)
+    await asyncio.gather(*(s.serve_forever() for s in servers))
+
+
+asyncio.run(main())
+PY
+}
+
+# seconds D: a tc-style duration (500us, 1ms, 0.2s, 2) in seconds.
+seconds() {
+	local d=$1
+	case $d in
+	*us) awk -v v="${d%us}" 'BEGIN { printf "%.6f", v / 1e6 }' ;;
+	*ms) awk -v v="${d%ms}" 'BEGIN { printf "%.6f", v / 1e3 }' ;;
+	*s) awk -v v="${d%s}" 'BEGIN { printf "%.6f", v }' ;;
+	*) awk -v v="$d" 'BEGIN { printf "%.6f", v }' ;;
+	esac
+}
+
+# start_relay N DELAY: the delay relay for nodes 1..N, and in each node's
+# namespace the nftables rules that send its libp2p connections to the
+# other nodes through it.
+start_relay() {
+	local n=$1 delay=$2 i j routes=()
+	command -v nft >/dev/null || die "--delay: no netem in this kernel, and no nft for the delay relay (apt-get install nftables)"
+	command -v python3 >/dev/null || die "--delay: no netem in this kernel, and no python3 for the delay relay"
+	local secs
+	secs=$(seconds "$delay")
+	[[ $secs =~ ^[0-9.]+$ ]] || die "--delay $delay: not a duration"
+	for i in $(seq "$n"); do
+		routes+=("$((41000 + i))=$(node_addr "$i"):4001")
+	done
+	relay_py >"$DIR/meshnode-delay-relay.py"
+	(exec setsid python3 "$DIR/meshnode-delay-relay.py" "$secs" "${NET}.1" "${routes[@]}" >"$DIR/relay.log" 2>&1 </dev/null) &
+	echo $! >"$DIR/relay.pid"
+	for _ in $(seq 50); do
+		grep -q '^meshnode-delay-relay:' "$DIR/relay.log" 2>/dev/null && break
+		kill -0 "$(cat "$DIR/relay.pid")" 2>/dev/null || { cat "$DIR/relay.log" >&2; die "the delay relay exited"; }
+		sleep 0.1
+	done
+	grep -q '^meshnode-delay-relay:' "$DIR/relay.log" || die "the delay relay did not start; log: $DIR/relay.log"
+	for i in $(seq "$n"); do
+		{
+			echo "table ip meshnode_delay {"
+			echo " chain out {"
+			echo "  type nat hook output priority -100; policy accept;"
+			for j in $(seq "$n"); do
+				[ "$i" -eq "$j" ] && continue
+				echo "  ip daddr $(node_addr "$j") tcp dport 4001 dnat to ${NET}.1:$((41000 + j))"
+			done
+			echo " }"
+			echo " chain post {"
+			echo "  type nat hook postrouting priority 100; policy accept;"
+			echo " }"
+			echo "}"
+		} | ip netns exec "${PREFIX}node$i" nft -f - || die "nft in ${PREFIX}node$i failed"
+	done
+	say "no netem in this kernel: libp2p traffic between nodes goes through a delay relay ($delay each way; log $DIR/relay.log)"
 }
 
 cmd_up() {
@@ -236,7 +386,11 @@ cmd_up() {
 	fi
 	API_KEY=$(cat "$DIR/api-key")
 
-	# The network.
+	# The network. Without netem, --delay is a userspace relay.
+	local relay=0
+	if [ -n "$delay" ] && ! netem_works; then
+		relay=1
+	fi
 	ip link add "$BRIDGE" type bridge
 	ip addr add "${NET}.1/24" dev "$BRIDGE"
 	ip link set "$BRIDGE" up
@@ -251,15 +405,17 @@ cmd_up() {
 		ip -n "$ns" link set "$peer" name eth0
 		ip -n "$ns" addr add "$(node_addr "$i")/24" dev eth0
 		ip -n "$ns" link set eth0 up
-		if [ -n "$delay" ]; then
+		if [ -n "$delay" ] && [ $relay -eq 0 ]; then
 			tc qdisc add dev "$host" root netem delay "$delay" ||
-				die "tc netem failed on $host (is sch_netem in this kernel?)"
+				die "tc netem failed on $host"
 		fi
 		if [ -n "$rate" ]; then
 			tc qdisc add dev "$host" root tbf rate "$rate" burst 256kb latency 50ms ||
 				die "tc tbf failed on $host"
 		fi
 	done
+
+	[ $relay -eq 1 ] && start_relay "$n" "$delay"
 
 	# The nodes. Every flag is explicit, so MESHNODE_* variables of the
 	# caller's environment change nothing but what they name.

@@ -25,8 +25,9 @@ const (
 // TestNetns: the acceptance run of TestSplitMesh (stories260K, f16, three
 // nodes, greedy through an entry node) with every node in a network
 // namespace of its own, joined by veth pairs to a bridge, one shaped link
-// per node (netem 1ms delay; a tbf rate limit where the kernel has no
-// netem), set up by deploy/local-mesh.sh. The nodes find each other by
+// per node (1ms delay: netem, or where the kernel has none the script's
+// userspace delay relay; a tbf rate limit where that cannot run either),
+// set up by deploy/local-mesh.sh. The nodes find each other by
 // their 10.77.0.x addresses only, and the HTTP API, now beyond loopback,
 // requires the API key. Needs root and iproute2; skipped otherwise.
 func TestNetns(t *testing.T) {
@@ -84,10 +85,20 @@ func TestNetns(t *testing.T) {
 		}
 	})
 
-	shape, qdisc := []string{"--delay", "1ms"}, "netem"
+	// Where the kernel has no netem, --delay goes through the script's
+	// userspace delay relay (nft and python3); without those either, the
+	// links get a tbf rate limit instead.
+	shape, qdisc, relayed := []string{"--delay", "1ms"}, "netem", false
 	if why := probeNetem(); why != nil {
-		t.Logf("no netem here (%v): shaping the links with tbf instead", why)
-		shape, qdisc = []string{"--rate", "200mbit"}, "tbf"
+		_, nftErr := exec.LookPath("nft")
+		_, pyErr := exec.LookPath("python3")
+		if nftErr == nil && pyErr == nil {
+			t.Logf("no netem here (%v): --delay goes through the delay relay", why)
+			qdisc, relayed = "", true
+		} else {
+			t.Logf("no netem here (%v), and no nft or python3 for the delay relay: shaping the links with tbf instead", why)
+			shape, qdisc = []string{"--rate", "200mbit"}, "tbf"
+		}
 	}
 	args := append([]string{"up", "3", "--model", stories.path, "--bin", binPath, "--threads", "1",
 		"--ctx", fmt.Sprint(ctxLen), "--wire-dtype", "f16"}, shape...)
@@ -122,7 +133,7 @@ func TestNetns(t *testing.T) {
 			}
 		}
 	}
-	for i := 1; i <= 3; i++ {
+	for i := 1; i <= 3 && qdisc != ""; i++ {
 		out, _ := exec.Command("tc", "qdisc", "show", "dev", fmt.Sprintf("%sv%d", netnsPrefix, i)).Output()
 		if !strings.Contains(string(out), qdisc) {
 			t.Errorf("link %d is not shaped: %s", i, out)
@@ -143,6 +154,20 @@ func TestNetns(t *testing.T) {
 	}
 	// A joiner as the entry: the request crosses every namespace.
 	checkGreedy(t, entry, stories)
+
+	if relayed {
+		// The nodes' libp2p connections to each other went through the
+		// relay: the joiners' to node1, and the one between node2 and
+		// node3 that the request's route needs, whichever dialed.
+		b, err := os.ReadFile(filepath.Join(state, "relay.log"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		to := func(i int) bool { return strings.Contains(string(b), fmt.Sprintf("-> %s.%d:4001", netnsNet, 10+i)) }
+		if !to(1) || !to(2) && !to(3) {
+			t.Errorf("the nodes' connections did not go through the delay relay:\n%s", b)
+		}
+	}
 }
 
 // probeNetem says why netem cannot shape a link here, or nil.
