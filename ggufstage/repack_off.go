@@ -2,12 +2,13 @@
 
 package ggufstage
 
+
 // repacker is absent from builds without the repack tag: quantized weights
 // stay in ggml's plain layout (correct, slower on CPU).
 type repacker struct{ own int }
 
-// useQ4X16: meshnode's own Q4_0 kernel needs the repack build.
-var useQ4X16 = false
+// useX16: meshnode's own Q4_0/Q8_0 kernel needs the repack build.
+var useX16 = false
 
 func newRepacker() *repacker { return nil }
 
@@ -22,4 +23,6 @@ func repackCPU() bool { return false }
 // RepackAvailable reports whether this build can repack weights.
 const RepackAvailable = false
 
-func q4x16Check(k, n, m, threads int, seed uint32) float64 { return -1 }
+func x16Check(uint32, int, int, int, int, uint32) float64 { return -1 }
+
+func x16CPU() bool { return false }

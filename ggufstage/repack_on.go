@@ -15,7 +15,7 @@ package ggufstage
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
-#include "q4x16.h"
+#include "x16.h"
 
 static ggml_backend_buffer_type_t meshnode_repack_buft(void) {
 	ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
@@ -30,12 +30,15 @@ static ggml_backend_buffer_type_t meshnode_repack_buft(void) {
 	return NULL;
 }
 
+// meshnode_host_matrix: a 2-D weight in host memory. Only those are
+// re-homed; a GPU tensor stays on its GPU.
+static int meshnode_host_matrix(const struct ggml_tensor * t) {
+	return ggml_n_dims(t) == 2 && t->buffer != NULL && ggml_backend_buffer_is_host(t->buffer);
+}
+
 // meshnode_repack_ok mirrors the conditions under which ggml's repack code
 // has a kernel for the tensor; set_tensor aborts on any other tensor.
 static int meshnode_repack_ok(const struct ggml_tensor * t) {
-	if (ggml_n_dims(t) != 2) return 0;
-	// Only weights that live in host memory: a GPU tensor stays on its GPU.
-	if (t->buffer == NULL || !ggml_backend_buffer_is_host(t->buffer)) return 0;
 	switch (t->type) {
 	case GGML_TYPE_Q4_0:
 		if (ggml_cpu_has_avx2()) return t->ne[1] % 8 == 0;
@@ -81,6 +84,7 @@ static ggml_backend_buffer_t meshnode_repack(ggml_backend_buffer_type_t buft, st
 import "C"
 
 import (
+	"github.com/meshnode/meshnode/ggufstage/gguf"
 	"reflect"
 	"strings"
 	"unsafe"
@@ -91,15 +95,15 @@ import (
 // RepackAvailable reports whether this build can repack weights.
 const RepackAvailable = true
 
-// useQ4X16 selects meshnode's own Q4_0 kernel (q4x16_amd64.cpp) over
-// ggml's repacked one where the CPU has AVX512-VNNI; tests turn it off to
-// compare the two.
-var useQ4X16 = true
+// useX16 selects meshnode's own Q4_0/Q8_0 kernel (x16_amd64.cpp) where the
+// CPU has AVX512-VNNI, over ggml's repacked Q4_0 kernel and plain Q8_0;
+// tests turn it off to compare.
+var useX16 = true
 
 type repacker struct {
 	buft C.ggml_backend_buffer_type_t
 	bufs []C.ggml_backend_buffer_t
-	own  int // of bufs, those in meshnode's Q4X16 layout
+	own  int // of bufs, those in meshnode's X16 layout
 }
 
 func newRepacker() *repacker {
@@ -125,15 +129,16 @@ func cTensor(t ml.Tensor) *C.struct_ggml_tensor {
 	return (*C.struct_ggml_tensor)(unsafe.Pointer(f.Pointer()))
 }
 
-// take repacks target from data when ggml has a repacked kernel for it, and
-// reports whether it did. The token embedding is read by row lookups, not
-// matmuls, so it always stays plain.
+// take re-homes target from data into a layout with a faster CPU kernel,
+// meshnode's X16 or ggml's repacked one, and reports whether it did. The
+// token embedding is read by row lookups, not matmuls, so it always stays
+// plain.
 func (r *repacker) take(target ml.Tensor, data []byte) bool {
 	if r == nil || len(data) == 0 {
 		return false
 	}
 	ct := cTensor(target)
-	if ct == nil || C.meshnode_repack_ok(ct) == 0 {
+	if ct == nil || C.meshnode_host_matrix(ct) == 0 {
 		return false
 	}
 	if strings.HasPrefix(C.GoString(C.ggml_get_name(ct)), "token_embd") {
@@ -142,12 +147,15 @@ func (r *repacker) take(target ml.Tensor, data []byte) bool {
 	if uint64(C.ggml_nbytes(ct)) != uint64(len(data)) {
 		return false
 	}
-	if useQ4X16 {
-		if buf := C.meshnode_q4x16_take(ct, unsafe.Pointer(&data[0])); buf != nil {
+	if useX16 && C.meshnode_x16_ok(ct) != 0 {
+		if buf := C.meshnode_x16_take(ct, unsafe.Pointer(&data[0])); buf != nil {
 			r.bufs = append(r.bufs, buf)
 			r.own++
 			return true
 		}
+	}
+	if C.meshnode_repack_ok(ct) == 0 {
+		return false
 	}
 	buf := C.meshnode_repack(r.buft, ct, unsafe.Pointer(&data[0]))
 	if buf == nil {
@@ -181,9 +189,12 @@ func (r *repacker) Close() error {
 	return nil
 }
 
-// q4x16Check runs the Q4X16 self-test: max|Q4X16 − plain| / max|plain| for
-// a random [k,n] weight times a [k,m] activation, or -1 where the kernel
-// cannot run.
-func q4x16Check(k, n, m, threads int, seed uint32) float64 {
-	return float64(C.meshnode_q4x16_check(C.int(k), C.int(n), C.int(m), C.int(threads), C.uint(seed)))
+// x16Check runs the X16 self-test: max|X16 − plain| / max|plain| for a
+// random [k,n] weight of type typ times a [k,m] activation, or -1 where the
+// kernel cannot run.
+func x16Check(typ uint32, k, n, m, threads int, seed uint32) float64 {
+	return float64(C.meshnode_x16_check(C.int(typ), C.int(k), C.int(n), C.int(m), C.int(threads), C.uint(seed)))
 }
+
+// x16CPU reports whether this CPU runs the X16 kernel.
+func x16CPU() bool { return x16Check(gguf.TypeQ4_0, 32, 16, 1, 1, 0) >= 0 }

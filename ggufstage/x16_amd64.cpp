@@ -1,27 +1,30 @@
 //go:build repack && cgo && amd64
 
-// Q4X16: meshnode's own CPU matmul for Q4_0 weights on AVX512-VNNI.
+// X16: meshnode's own CPU matmul for Q4_0 and Q8_0 weights on AVX512-VNNI.
 //
-// ggml's CPU_REPACK kernel for Q4_0 sign-extends every nibble through a
-// lookup and juggles signs (vpabsb, masked vpsubb) so that vpdpbusd, which
-// multiplies unsigned by signed bytes, can be used. Here the nibbles stay
-// unsigned (0..15): sum((q-8)*a) = sum(q*a) - 8*sum(a), and 8*d_a*sum(a) is
+// vpdpbusd multiplies unsigned by signed bytes. ggml's repacked Q4_0 kernel
+// makes its signed nibbles fit by sign juggling (vpabsb, masked vpsubb) on
+// every multiply; Q8_0 has no repacked x86 kernel at all. Here weights are
+// stored unsigned: a Q4_0 nibble q (value q-8) as is, a Q8_0 byte w as
+// w+128. Then sum(w*a) = sum(u*a) - bias*sum(a), and bias*d_a*sum(a) is
 // computed once per activation block while quantizing. Sixteen weight rows
 // are interleaved four bytes at a time, so one vpdpbusd with a broadcast
-// activation dword does 64 multiply-adds for 16 rows. Measured on Zen 4:
-// about 1.8x ggml's repacked kernel for prefill.
+// activation dword does 64 multiply-adds for 16 rows.
 //
 // Hooked into ggml through the CPU backend's extension point for extra
 // buffer types (ggml-cpu/traits.h): weights live in a buffer of type
-// MESHNODE_Q4X16, and ggml's CPU backend asks that type for the tensor
-// traits that compute a MUL_MAT whose weights are in it.
+// MESHNODE_X16, and ggml's CPU backend asks that type for the tensor traits
+// that compute a MUL_MAT whose weights are in it.
 //
 // Layout of a [K, N] weight (N rows of K), N % 16 == 0, K % 32 == 0: for
-// each tile of 16 rows and each 32-column block, 16 f16 scales (32 bytes)
-// then 256 bytes of quants: four 64-byte groups j = 0..3, each holding, for
-// row r = 0..15, the row's native Q4_0 bytes 4j..4j+3 (low nibbles: columns
-// 4j..4j+3; high nibbles: columns 16+4j..16+4j+3). 288 bytes per tile and
-// block, as many as the 16 rows take in plain Q4_0.
+// each tile of 16 rows and each 32-column block, the 16 rows' f16 scales
+// (32 bytes), then the quants in 64-byte groups, each holding four bytes of
+// every row (row r at bytes 4r..4r+3):
+//   Q4_0: groups j = 0..3 hold the rows' native bytes 4j..4j+3 (low
+//         nibbles: columns 4j..4j+3; high nibbles: columns 16+4j..);
+//   Q8_0: groups j = 0..7 hold columns 4j..4j+3, each byte w+128.
+// That is 288 (Q4_0) or 544 (Q8_0) bytes per tile and block, exactly what
+// the 16 rows take in ggml's own layout.
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -37,19 +40,23 @@
 #include "ggml-cpu.h"
 #include "ggml-cpu/traits.h" // and ggml-cpu-impl.h
 
-#include "q4x16.h"
+#include "x16.h"
 
 #define MN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
 
 namespace {
 
-constexpr int kTile = 16;        // weight rows per tile
-constexpr int kBlock = 32;       // columns per Q4_0 block
-constexpr int kTileBlock = 288;  // bytes per tile and block
-constexpr int kRows = 8;         // activation rows per microkernel call
+constexpr int kTile = 16;  // weight rows per tile
+constexpr int kBlock = 32; // columns per block (Q4_0 and Q8_0 alike)
+constexpr int kRows = 8;   // activation rows per microkernel call
+
+enum format { Q4, Q8 };
+
+template <format F> constexpr int tile_block_bytes = F == Q4 ? 288 : 544;
+template <format F> constexpr float bias = F == Q4 ? 8.0f : 128.0f;
 
 // Activations are quantized into the work buffer: per row K int8 values,
-// then per row and block two floats: the scale d and 8*d*sum(q).
+// then per row and block two floats: the scale d and bias*d*sum(q).
 struct act_layout {
 	int64_t rows, k, nb;
 	size_t q_bytes() const { return (size_t)rows * k; }
@@ -61,7 +68,7 @@ struct act_layout {
 	}
 };
 
-MN_TARGET void quantize_row(const float * x, int64_t k, int8_t * q, float * dm) {
+MN_TARGET void quantize_row(const float * x, int64_t k, float bias, int8_t * q, float * dm) {
 	const __m512 sign = _mm512_set1_ps(-0.0f);
 	for (int64_t b = 0; b < k / kBlock; b++) {
 		__m512 v0 = _mm512_loadu_ps(x + b * kBlock);
@@ -79,42 +86,42 @@ MN_TARGET void quantize_row(const float * x, int64_t k, int8_t * q, float * dm) 
 		_mm_storeu_si128((__m128i *)(q + b * kBlock), _mm512_cvtsepi32_epi8(i0));
 		_mm_storeu_si128((__m128i *)(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(i1));
 		dm[2 * b] = d;
-		dm[2 * b + 1] = 8.0f * d * (float)sum;
+		dm[2 * b + 1] = bias * d * (float)sum;
 	}
 }
 
 // tile computes out[r][0..15] for NR activation rows against one weight
 // tile. a: the first row's quants; stride between rows lda bytes; dm:
 // the first row's scales, ldd floats apart; out[r]: row r's 16 outputs.
-template <int NR>
+template <format F, int NR>
 MN_TARGET void tile(int64_t nb, const uint8_t * w, const int8_t * a, int64_t lda, const float * dm, int64_t ldd, float * const * out) {
 	__m512 acc[NR];
 	for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
 	const __m512i m4 = _mm512_set1_epi8(0x0F);
-	for (int64_t b = 0; b < nb; b++, w += kTileBlock) {
+	__m512i u[8];
+	for (int64_t b = 0; b < nb; b++, w += tile_block_bytes<F>) {
 		const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-		const __m512i z0 = _mm512_loadu_si512(w + 32);
-		const __m512i z1 = _mm512_loadu_si512(w + 96);
-		const __m512i z2 = _mm512_loadu_si512(w + 160);
-		const __m512i z3 = _mm512_loadu_si512(w + 224);
-		const __m512i w0 = _mm512_and_si512(z0, m4), w1 = _mm512_and_si512(z1, m4);
-		const __m512i w2 = _mm512_and_si512(z2, m4), w3 = _mm512_and_si512(z3, m4);
-		const __m512i w4 = _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4);
-		const __m512i w5 = _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4);
-		const __m512i w6 = _mm512_and_si512(_mm512_srli_epi16(z2, 4), m4);
-		const __m512i w7 = _mm512_and_si512(_mm512_srli_epi16(z3, 4), m4);
+		if constexpr (F == Q4) {
+			for (int j = 0; j < 4; j++) {
+				const __m512i z = _mm512_loadu_si512(w + 32 + 64 * j);
+				u[j] = _mm512_and_si512(z, m4);
+				u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+			}
+		} else {
+			for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512(w + 32 + 64 * j);
+		}
 #pragma GCC unroll 8
 		for (int r = 0; r < NR; r++) {
 			int32_t g[8];
 			memcpy(g, a + r * lda + b * kBlock, sizeof g);
-			__m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32(g[0]));
-			s = _mm512_dpbusd_epi32(s, w1, _mm512_set1_epi32(g[1]));
-			s = _mm512_dpbusd_epi32(s, w2, _mm512_set1_epi32(g[2]));
-			s = _mm512_dpbusd_epi32(s, w3, _mm512_set1_epi32(g[3]));
-			s = _mm512_dpbusd_epi32(s, w4, _mm512_set1_epi32(g[4]));
-			s = _mm512_dpbusd_epi32(s, w5, _mm512_set1_epi32(g[5]));
-			s = _mm512_dpbusd_epi32(s, w6, _mm512_set1_epi32(g[6]));
-			s = _mm512_dpbusd_epi32(s, w7, _mm512_set1_epi32(g[7]));
+			__m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_set1_epi32(g[0]));
+			s = _mm512_dpbusd_epi32(s, u[1], _mm512_set1_epi32(g[1]));
+			s = _mm512_dpbusd_epi32(s, u[2], _mm512_set1_epi32(g[2]));
+			s = _mm512_dpbusd_epi32(s, u[3], _mm512_set1_epi32(g[3]));
+			s = _mm512_dpbusd_epi32(s, u[4], _mm512_set1_epi32(g[4]));
+			s = _mm512_dpbusd_epi32(s, u[5], _mm512_set1_epi32(g[5]));
+			s = _mm512_dpbusd_epi32(s, u[6], _mm512_set1_epi32(g[6]));
+			s = _mm512_dpbusd_epi32(s, u[7], _mm512_set1_epi32(g[7]));
 			const float * d = dm + r * ldd + 2 * b;
 			const __m512 f = _mm512_fmsub_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1]));
 			acc[r] = _mm512_fmadd_ps(f, dw, acc[r]);
@@ -124,7 +131,8 @@ MN_TARGET void tile(int64_t nb, const uint8_t * w, const int8_t * a, int64_t lda
 }
 
 typedef void (*tile_fn)(int64_t, const uint8_t *, const int8_t *, int64_t, const float *, int64_t, float * const *);
-const tile_fn tiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
+template <format F>
+const tile_fn tiles[kRows + 1] = {nullptr, tile<F, 1>, tile<F, 2>, tile<F, 3>, tile<F, 4>, tile<F, 5>, tile<F, 6>, tile<F, 7>, tile<F, 8>};
 
 bool cpu_ok() {
 	static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -153,7 +161,8 @@ act_layout layout_of(const ggml_tensor * op) {
 	return l;
 }
 
-class q4x16_traits : public ggml::cpu::tensor_traits {
+template <format F>
+class x16_traits : public ggml::cpu::tensor_traits {
 	bool work_size(int, const ggml_tensor * op, size_t & size) override {
 		size = layout_of(op).size();
 		return true;
@@ -168,7 +177,7 @@ class q4x16_traits : public ggml::cpu::tensor_traits {
 		void * w = params->wdata;
 
 		for (int64_t r = ith; r < l.rows; r += nth) {
-			quantize_row(src_row(src1, r), l.k, l.q(w, r), l.dm(w, r));
+			quantize_row(src_row(src1, r), l.k, bias<F>, l.q(w, r), l.dm(w, r));
 		}
 
 		// Work: chunks of weight tiles x blocks of activation rows. A
@@ -186,7 +195,7 @@ class q4x16_traits : public ggml::cpu::tensor_traits {
 		ggml_barrier(params->threadpool);
 
 		const uint8_t * wbase = (const uint8_t *)src0->data;
-		const size_t tile_bytes = (size_t)l.nb * kTileBlock;
+		const size_t tile_bytes = (size_t)l.nb * tile_block_bytes<F>;
 		float * outs[kRows];
 		for (int64_t c = ith; c < nchunks; c = ggml_threadpool_chunk_add(params->threadpool, 1)) {
 			const int64_t tc = c % ntc, rb = c / ntc;
@@ -197,7 +206,7 @@ class q4x16_traits : public ggml::cpu::tensor_traits {
 				for (int64_t r = r0; r < r1; r += kRows) {
 					const int nr = (int)std::min<int64_t>(kRows, r1 - r);
 					for (int i = 0; i < nr; i++) outs[i] = dst_row(op, r + i) + t * kTile;
-					tiles[nr](l.nb, wt, l.q(w, r), l.k, l.dm(w, r), l.nb * 2, outs);
+					tiles<F>[nr](l.nb, wt, l.q(w, r), l.k, l.dm(w, r), l.nb * 2, outs);
 				}
 			}
 		}
@@ -205,11 +214,12 @@ class q4x16_traits : public ggml::cpu::tensor_traits {
 	}
 };
 
-q4x16_traits the_traits;
+x16_traits<Q4> q4_traits;
+x16_traits<Q8> q8_traits;
 
-ggml_backend_buffer_type_t q4x16_buft();
+ggml_backend_buffer_type_t x16_buft();
 
-class q4x16_extra : public ggml::cpu::extra_buffer_type {
+class x16_extra : public ggml::cpu::extra_buffer_type {
 	bool supports_op(ggml_backend_dev_t, const ggml_tensor * op) override {
 		return get_tensor_traits(op) != nullptr;
 	}
@@ -218,15 +228,19 @@ class q4x16_extra : public ggml::cpu::extra_buffer_type {
 		if (op->op != GGML_OP_MUL_MAT) return nullptr;
 		const ggml_tensor * src0 = op->src[0];
 		const ggml_tensor * src1 = op->src[1];
-		if (src0->buffer == nullptr || src0->buffer->buft != q4x16_buft()) return nullptr;
+		if (src0->buffer == nullptr || src0->buffer->buft != x16_buft()) return nullptr;
 		if (src1->type != GGML_TYPE_F32 || src1->nb[0] != sizeof(float) || op->type != GGML_TYPE_F32 || op->nb[0] != sizeof(float)) return nullptr;
 		if (src1->buffer && !ggml_backend_buft_is_host(src1->buffer->buft)) return nullptr;
 		if (src0->ne[2] != 1 || src0->ne[3] != 1 || src1->ne[0] != src0->ne[0]) return nullptr;
-		return &the_traits;
+		switch (src0->type) {
+		case GGML_TYPE_Q4_0: return &q4_traits;
+		case GGML_TYPE_Q8_0: return &q8_traits;
+		default: return nullptr;
+		}
 	}
 };
 
-const char * buft_name(ggml_backend_buffer_type_t) { return "MESHNODE_Q4X16"; }
+const char * buft_name(ggml_backend_buffer_type_t) { return "MESHNODE_X16"; }
 
 ggml_backend_buffer_t buft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
 	ggml_backend_buffer_t b = ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), size);
@@ -243,7 +257,7 @@ ggml_backend_buffer_t buft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
 
 size_t buft_alignment(ggml_backend_buffer_type_t) { return 64; }
 
-ggml_backend_buffer_type_t q4x16_buft() {
+ggml_backend_buffer_type_t x16_buft() {
 	static ggml_backend_buffer_type buft = {
 		/* .iface = */ {
 			/* .get_name       = */ buft_name,
@@ -255,7 +269,7 @@ ggml_backend_buffer_type_t q4x16_buft() {
 			/* .noalloc_buffer = */ nullptr,
 		},
 		/* .device   = */ ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU),
-		/* .context  = */ new q4x16_extra(),
+		/* .context  = */ new x16_extra(),
 		/* .no_alloc = */ false,
 	};
 	return &buft;
@@ -266,7 +280,7 @@ ggml_backend_buffer_type_t q4x16_buft() {
 bool registered() {
 	static const bool ok = [] {
 		if (!cpu_ok()) return false;
-		ggml_backend_buffer_type_t buft = q4x16_buft();
+		ggml_backend_buffer_type_t buft = x16_buft();
 		if (buft->device == nullptr) return false;
 		ggml_backend_cpu_get_extra_buffer_types().push_back(buft);
 		return true;
@@ -274,16 +288,24 @@ bool registered() {
 	return ok;
 }
 
+template <format F>
 void pack(const ggml_tensor * t, const uint8_t * src, uint8_t * dst) {
+	constexpr size_t native = F == Q4 ? 18 : 34; // bytes of one row's block
 	const int64_t k = t->ne[0], n = t->ne[1], nb = k / kBlock;
-	const size_t row_bytes = (size_t)nb * 18;
+	const size_t row_bytes = (size_t)nb * native;
 	for (int64_t tt = 0; tt < n / kTile; tt++) {
 		for (int64_t b = 0; b < nb; b++) {
-			uint8_t * p = dst + ((size_t)tt * nb + b) * kTileBlock;
+			uint8_t * p = dst + ((size_t)tt * nb + b) * tile_block_bytes<F>;
 			for (int r = 0; r < kTile; r++) {
-				const uint8_t * s = src + (size_t)(tt * kTile + r) * row_bytes + (size_t)b * 18;
+				const uint8_t * s = src + (size_t)(tt * kTile + r) * row_bytes + (size_t)b * native;
 				memcpy(p + 2 * r, s, 2);
-				for (int j = 0; j < 4; j++) memcpy(p + 32 + 64 * j + 4 * r, s + 2 + 4 * j, 4);
+				if constexpr (F == Q4) {
+					for (int j = 0; j < 4; j++) memcpy(p + 32 + 64 * j + 4 * r, s + 2 + 4 * j, 4);
+				} else {
+					for (int j = 0; j < 8; j++) {
+						for (int i = 0; i < 4; i++) p[32 + 64 * j + 4 * r + i] = (uint8_t)(s[2 + 4 * j + i] ^ 0x80);
+					}
+				}
 			}
 		}
 	}
@@ -293,14 +315,14 @@ void pack(const ggml_tensor * t, const uint8_t * src, uint8_t * dst) {
 
 extern "C" {
 
-int meshnode_q4x16_ok(const struct ggml_tensor * t) {
-	return t->type == GGML_TYPE_Q4_0 && ggml_n_dims(t) == 2 && t->ne[0] % kBlock == 0 && t->ne[1] % kTile == 0 &&
-	       registered();
+int meshnode_x16_ok(const struct ggml_tensor * t) {
+	return (t->type == GGML_TYPE_Q4_0 || t->type == GGML_TYPE_Q8_0) && ggml_n_dims(t) == 2 &&
+	       t->ne[0] % kBlock == 0 && t->ne[1] % kTile == 0 && registered();
 }
 
-ggml_backend_buffer_t meshnode_q4x16_take(struct ggml_tensor * t, const void * data) {
-	if (!meshnode_q4x16_ok(t)) return nullptr;
-	ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(q4x16_buft(), ggml_nbytes(t));
+ggml_backend_buffer_t meshnode_x16_take(struct ggml_tensor * t, const void * data) {
+	if (!meshnode_x16_ok(t)) return nullptr;
+	ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(x16_buft(), ggml_nbytes(t));
 	if (buf == nullptr) return nullptr;
 	ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
 	t->buffer = nullptr;
@@ -309,19 +331,25 @@ ggml_backend_buffer_t meshnode_q4x16_take(struct ggml_tensor * t, const void * d
 		ggml_backend_buffer_free(buf);
 		return nullptr;
 	}
-	pack(t, (const uint8_t *)data, (uint8_t *)t->data);
+	if (t->type == GGML_TYPE_Q4_0) {
+		pack<Q4>(t, (const uint8_t *)data, (uint8_t *)t->data);
+	} else {
+		pack<Q8>(t, (const uint8_t *)data, (uint8_t *)t->data);
+	}
 	return buf;
 }
 
 } // extern "C"
 
-// meshnode_q4x16_check multiplies a random [k, n] Q4_0 weight by a random
-// [k, m] activation on ggml's CPU backend twice, once with the weight in
-// Q4X16 and once in plain Q4_0, and returns max|a-b| / max|b|; -1 when the
-// kernel cannot run here. Tests use it to check the kernel on shapes
+// meshnode_x16_check multiplies a random [k, n] weight of type (Q4_0 or
+// Q8_0) by a random [k, m] activation on ggml's CPU backend twice, once
+// with the weight in X16 and once in ggml's plain layout, and returns
+// max|a-b| / max|b|; -1 when the kernel cannot run here. Tests use it to check the kernel on shapes
 // (row tails, several row blocks, thread counts) that models rarely hit.
-extern "C" double meshnode_q4x16_check(int k, int n, int m, int threads, unsigned seed) {
-	if (!registered() || k % kBlock != 0 || n % kTile != 0) return -1;
+extern "C" double meshnode_x16_check(int type, int k, int n, int m, int threads, unsigned seed) {
+	const ggml_type wt = (ggml_type)type;
+	if (!registered() || (wt != GGML_TYPE_Q4_0 && wt != GGML_TYPE_Q8_0) || k % kBlock != 0 || n % kTile != 0) return -1;
+	const size_t native = wt == GGML_TYPE_Q4_0 ? 18 : 34;
 	uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
 	auto next = [&state]() {
 		state ^= state << 13;
@@ -330,11 +358,15 @@ extern "C" double meshnode_q4x16_check(int k, int n, int m, int threads, unsigne
 		return state;
 	};
 	const size_t nb = (size_t)k / kBlock;
-	std::vector<uint8_t> wq((size_t)n * nb * 18);
+	std::vector<uint8_t> wq((size_t)n * nb * native);
 	for (size_t i = 0; i < (size_t)n * nb; i++) {
 		const ggml_fp16_t d = ggml_fp32_to_fp16(0.001f + (float)(next() % 1000) * 1e-5f);
-		memcpy(&wq[i * 18], &d, 2);
-		for (int j = 0; j < 16; j++) wq[i * 18 + 2 + j] = (uint8_t)next();
+		memcpy(&wq[i * native], &d, 2);
+		for (size_t j = 2; j < native; j++) {
+			uint8_t v = (uint8_t)next();
+			if (wt == GGML_TYPE_Q8_0 && v == 0x80) v = 0x81; // Q8_0 quants are -127..127
+			wq[i * native + j] = v;
+		}
 	}
 	std::vector<float> x((size_t)k * m);
 	for (auto & v : x) v = (float)((int64_t)(next() % 2001) - 1000) / 1000.0f;
@@ -346,7 +378,7 @@ extern "C" double meshnode_q4x16_check(int k, int n, int m, int threads, unsigne
 	for (int pass = 0; pass < 2; pass++) {
 		ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, true};
 		ggml_context * ctx = ggml_init(ip);
-		ggml_tensor * w = ggml_new_tensor_2d(ctx, GGML_TYPE_Q4_0, k, n);
+		ggml_tensor * w = ggml_new_tensor_2d(ctx, wt, k, n);
 		ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, m);
 		ggml_tensor * y = ggml_mul_mat(ctx, w, a);
 		ggml_cgraph * g = ggml_new_graph(ctx);
@@ -354,7 +386,7 @@ extern "C" double meshnode_q4x16_check(int k, int n, int m, int threads, unsigne
 		ggml_backend_buffer_t plain = ggml_backend_alloc_ctx_tensors(ctx, be);
 		ggml_backend_buffer_t own = nullptr;
 		if (pass == 0) {
-			own = meshnode_q4x16_take(w, wq.data());
+			own = meshnode_x16_take(w, wq.data());
 		} else {
 			ggml_backend_tensor_set(w, wq.data(), 0, wq.size());
 		}
