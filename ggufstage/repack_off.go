@@ -2,7 +2,6 @@
 
 package ggufstage
 
-
 // repacker is absent from builds without the repack tag: quantized weights
 // stay in ggml's plain layout (correct, slower on CPU).
 type repacker struct{ own int }
