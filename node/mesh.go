@@ -624,6 +624,7 @@ func (m *mesh) reconcile(ctx context.Context) {
 
 	m.probeDevice(mm)
 	members := m.ml.Members()
+	m.abortGone(members)
 	m.learnAddrs(members)
 	var nodes []planner.Node
 	split := false
@@ -687,6 +688,35 @@ func (m *mesh) reconcile(ctx context.Context) {
 
 	// Run our requests on the plan once every stage of it is up.
 	m.ensurePipeline(ctx, mm, plan, members)
+}
+
+// errLeft is why a pipeline was aborted: a stage's node left the mesh.
+var errLeft = errors.New("the node left the mesh")
+
+// abortGone breaks the current pipeline at once when a stage of its route
+// is on a node that is no longer a live member (dead, left): its requests
+// fail now and the scheduler replays them on the next pipeline, instead
+// of waiting out the step timeout, or the graceful close that setPipe
+// gives a replaced pipeline, which the gone stage would hold up for 5 s.
+func (m *mesh) abortGone(members []membership.Member) {
+	m.mu.Lock()
+	remote, route := m.remote, m.route
+	m.mu.Unlock()
+	if remote == nil || remote.Err() != nil {
+		return
+	}
+	alive := map[string]bool{}
+	for _, mem := range members {
+		alive[mem.Meta.PeerID] = true
+	}
+	for i, h := range route {
+		if !alive[h.Peer] {
+			m.log.Warn("a stage of the pipeline left the mesh: moving its requests to the next one",
+				zap.String("peer", h.Peer), zap.Int("hop", i))
+			remote.Abort(&pipeline.HopError{Hop: i, Peer: h.Peer, Start: h.Start, End: h.End, Err: errLeft})
+			return
+		}
+	}
 }
 
 func describePlan(p planner.Plan, members []membership.Member) string {

@@ -614,6 +614,18 @@ func (p *Pipeline) fail(err error) {
 	}
 }
 
+// Abort breaks the pipeline at once with err, for a route known to be
+// gone (a stage's node left the mesh): what is in flight fails now
+// instead of at the step timeout, nothing more is sent, and a later
+// Close skips the graceful end down the route, which a gone stage would
+// hold up. It does not wait for the pipeline's goroutines; Close does.
+func (p *Pipeline) Abort(err error) {
+	if err == nil {
+		err = ErrClosed
+	}
+	p.fail(err)
+}
+
 // Close ends the pipeline. What is in flight gets a bounded time to be
 // answered while the end of stream travels down the route, so that the
 // stages tear down in order; then anything left fails with ErrClosed.

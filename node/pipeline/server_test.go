@@ -384,3 +384,33 @@ func TestStall(t *testing.T) {
 		t.Fatalf("error %v after %s", err, took)
 	}
 }
+
+// Abort breaks a pipeline whose stage is stuck at once: the step in
+// flight fails with the reason given, long before the step timeout, and
+// Close then returns without the graceful end that the stuck stage would
+// hold up for its bounded wait.
+func TestAbort(t *testing.T) {
+	g := &gatedEngine{gate: make(chan struct{})}
+	m := newMesh(t, threeStages, engineOpts, stageOpts{}, stageOpts{wrap: func(e stage.Engine) stage.Engine {
+		g.Engine = e
+		return g
+	}})
+	defer close(g.gate) // before the stages' cleanup, which waits for the engine call
+	p := m.pipeline(t, Config{StepTimeout: 30 * time.Second})
+	gone := errors.New("hop 1's node left the mesh")
+	err, took := decodeUntilError(t, p, func() {
+		g.shut.Store(true)
+		time.AfterFunc(100*time.Millisecond, func() { p.Abort(gone) })
+	})
+	if !errors.Is(err, gone) || took > 5*time.Second {
+		t.Fatalf("error %v after %s, want %q at once", err, took, gone)
+	}
+	if !errors.Is(p.Err(), gone) {
+		t.Fatalf("pipeline error %v, want %q", p.Err(), gone)
+	}
+	start := time.Now()
+	p.Close()
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("Close after Abort took %s", d)
+	}
+}
