@@ -742,11 +742,17 @@ func shortID(id string) string {
 }
 
 // applyStage loads (or drops) this node's layer range.
-func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage, serving bool) error {
+func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage, serving bool) (err error) {
 	m.mu.Lock()
 	cur := m.local
+	loading := m.meta.State == membership.NodeLoading
 	m.mu.Unlock()
 	if cur != nil && serving && cur.start == want.Start && cur.end == want.End {
+		if loading {
+			// A load for another plan failed meanwhile and left the node
+			// announcing "loading": the others wait for it to be ready.
+			m.setState(membership.NodeReady)
+		}
 		return nil
 	}
 	if !serving {
@@ -757,8 +763,15 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 		return nil
 	}
 	m.setState(membership.NodeLoading)
+	defer func() {
+		if err != nil {
+			// Still up, serving what it served before (or nothing): a node
+			// left "loading" would keep the others from ever using it, even
+			// once the plan comes back to the range it serves.
+			m.setState(membership.NodeReady)
+		}
+	}()
 	ls := &localStage{start: want.Start, end: want.End}
-	var err error
 	if mm.path != "" {
 		ls.slice, err = ggufstage.Slice(mm.path, m.cfg.DataDir, want.Start, want.End, m.loadProgress())
 	} else {
@@ -902,6 +915,9 @@ func (m *mesh) setPipe(route []pipeline.Hop, p scheduler.Pipeline, remote *pipel
 
 func (m *mesh) setState(state string) {
 	m.mu.Lock()
+	if m.draining {
+		state = membership.NodeDraining // leaving is for good
+	}
 	m.meta.State = state
 	if state != membership.NodeLoading {
 		m.meta.LoadPct = 0

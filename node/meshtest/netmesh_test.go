@@ -17,6 +17,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -269,6 +270,24 @@ func (m *nsMesh) others(skip ...*meshNode) []*meshNode {
 		}
 	}
 	return out
+}
+
+// dumpStacks has every node still running print its goroutines and exit
+// (SIGQUIT), so that the failure report shows where a stuck node waits.
+func (m *nsMesh) dumpStacks(t *testing.T) {
+	t.Helper()
+	for _, nd := range m.nodes {
+		select {
+		case <-nd.proc.done:
+			continue
+		default:
+		}
+		_ = nd.proc.cmd.Process.Signal(syscall.SIGCONT) // a frozen node must run to dump
+		_ = nd.proc.cmd.Process.Signal(syscall.SIGQUIT)
+		if !nd.proc.exited(10 * time.Second) {
+			t.Logf("%s did not exit on SIGQUIT", nd.name)
+		}
+	}
 }
 
 // ---- delay relays ----
