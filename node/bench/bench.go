@@ -34,6 +34,10 @@ type Row struct {
 	Streams    int
 	PrefillTPS float64
 	DecodeTPS  float64
+	// FloorTPS bounds one-stream CPU decode: the memory read bandwidth
+	// measured in the same run over the weight bytes one step reads. 0
+	// where not measured (several streams, GPU).
+	FloorTPS float64
 }
 
 // runner is the common surface of the two engines.
@@ -102,6 +106,18 @@ func Run(ctx context.Context, cfg Config, log io.Writer) ([]Row, error) {
 	if err != nil {
 		return nil, err
 	}
+	var floor float64
+	if eng.Info().Backend == "CPU" {
+		perLayer, _, head, _ := info.Sizes()
+		step := head
+		for _, b := range perLayer {
+			step += b
+		}
+		bw := ggufstage.ReadBandwidth(cfg.Threads, 1<<30)
+		floor = bw / float64(step)
+		fmt.Fprintf(log, "memory read bandwidth, threads as the engines: %.1f GB/s; a decode step reads %.2f GB of weights: floor %.1f tok/s at 1 stream\n",
+			bw/1e9, float64(step)/1e9, floor)
+	}
 	runners := []struct {
 		name string
 		r    runner
@@ -150,7 +166,11 @@ func Run(ctx context.Context, cfg Config, log io.Writer) ([]Row, error) {
 	for _, n := range cfg.Streams {
 		for _, r := range runners {
 			k := key{r.name, n}
-			rows = append(rows, Row{Engine: r.name, Streams: n, PrefillTPS: median(pre[k]), DecodeTPS: median(dec[k])})
+			row := Row{Engine: r.name, Streams: n, PrefillTPS: median(pre[k]), DecodeTPS: median(dec[k])}
+			if n == 1 {
+				row.FloorTPS = floor
+			}
+			rows = append(rows, row)
 		}
 	}
 	return rows, nil
@@ -256,9 +276,10 @@ func argmax(x []float32) int32 {
 	return int32(best)
 }
 
-// Print writes the table with the ratio of meshnode to ollama.
+// Print writes the table with the ratio of meshnode to ollama and, for
+// one-stream CPU decode, to the memory-bandwidth floor.
 func Print(w io.Writer, rows []Row) {
-	fmt.Fprintf(w, "\n%-9s %7s %14s %14s %9s %9s\n", "engine", "streams", "prefill tok/s", "decode tok/s", "prefill×", "decode×")
+	fmt.Fprintf(w, "\n%-9s %7s %14s %14s %9s %9s %12s\n", "engine", "streams", "prefill tok/s", "decode tok/s", "prefill×", "decode×", "decode/floor")
 	ref := map[int]Row{}
 	for _, r := range rows {
 		if r.Engine == "ollama" {
@@ -266,11 +287,14 @@ func Print(w io.Writer, rows []Row) {
 		}
 	}
 	for _, r := range rows {
-		pr, dr := "", ""
+		pr, dr, fr := "", "", ""
 		if o, ok := ref[r.Streams]; ok && r.Engine != "ollama" && o.PrefillTPS > 0 && o.DecodeTPS > 0 {
 			pr = fmt.Sprintf("%.2f", r.PrefillTPS/o.PrefillTPS)
 			dr = fmt.Sprintf("%.2f", r.DecodeTPS/o.DecodeTPS)
 		}
-		fmt.Fprintf(w, "%-9s %7d %14.1f %14.2f %9s %9s\n", r.Engine, r.Streams, r.PrefillTPS, r.DecodeTPS, pr, dr)
+		if r.FloorTPS > 0 {
+			fr = fmt.Sprintf("%.2f", r.DecodeTPS/r.FloorTPS)
+		}
+		fmt.Fprintf(w, "%-9s %7d %14.1f %14.2f %9s %9s %12s\n", r.Engine, r.Streams, r.PrefillTPS, r.DecodeTPS, pr, dr, fr)
 	}
 }
