@@ -25,3 +25,5 @@ const RepackAvailable = false
 func x16Check(uint32, int, int, int, int, uint32) float64 { return -1 }
 
 func x16CPU() bool { return false }
+
+func x16CPUHas() bool { return false }

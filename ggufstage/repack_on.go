@@ -84,7 +84,6 @@ static ggml_backend_buffer_t meshnode_repack(ggml_backend_buffer_type_t buft, st
 import "C"
 
 import (
-	"github.com/meshnode/meshnode/ggufstage/gguf"
 	"reflect"
 	"strings"
 	"unsafe"
@@ -99,6 +98,14 @@ const RepackAvailable = true
 // CPU has AVX512-VNNI, over ggml's repacked Q4_0 kernel and plain Q8_0;
 // tests turn it off to compare.
 var useX16 = true
+
+// x16On: the kernel is registered with ggml's CPU backend. That list is read
+// by every graph compute, so it is extended here, before any engine exists.
+var x16On = C.meshnode_x16_register() != 0
+
+// x16CPUHas reports whether the CPU has the kernel's instructions (whether
+// or not registration worked).
+func x16CPUHas() bool { return C.meshnode_x16_cpu() != 0 }
 
 type repacker struct {
 	buft C.ggml_backend_buffer_type_t
@@ -197,4 +204,4 @@ func x16Check(typ uint32, k, n, m, threads int, seed uint32) float64 {
 }
 
 // x16CPU reports whether this CPU runs the X16 kernel.
-func x16CPU() bool { return x16Check(gguf.TypeQ4_0, 32, 16, 1, 1, 0) >= 0 }
+func x16CPU() bool { return x16On }

@@ -9,6 +9,14 @@
 extern "C" {
 #endif
 
+// meshnode_x16_cpu reports whether this CPU has the instructions.
+int meshnode_x16_cpu(void);
+
+// meshnode_x16_register adds the kernel's buffer type to ggml's CPU backend
+// (once; later calls only report). Call before any graph computes: ggml
+// reads that list during every compute. Returns whether the kernel is on.
+int meshnode_x16_register(void);
+
 // meshnode_x16_ok reports whether t can be computed by the kernel: a 2-D
 // Q4_0 or Q8_0 weight of whole 16-row tiles, on a CPU with AVX512-VNNI.
 int meshnode_x16_ok(const struct ggml_tensor * t);

@@ -276,7 +276,9 @@ ggml_backend_buffer_type_t x16_buft() {
 }
 
 // Registers the buffer type with the CPU backend once; ggml consults this
-// list for every op whose weights are in an extra buffer type.
+// list for every op whose weights are in an extra buffer type, so it must
+// not change while a graph computes: the package registers it at init
+// (meshnode_x16_register), before any engine exists.
 bool registered() {
 	static const bool ok = [] {
 		if (!cpu_ok()) return false;
@@ -314,6 +316,10 @@ void pack(const ggml_tensor * t, const uint8_t * src, uint8_t * dst) {
 } // namespace
 
 extern "C" {
+
+int meshnode_x16_cpu(void) { return cpu_ok(); }
+
+int meshnode_x16_register(void) { return registered(); }
 
 int meshnode_x16_ok(const struct ggml_tensor * t) {
 	return (t->type == GGML_TYPE_Q4_0 || t->type == GGML_TYPE_Q8_0) && ggml_n_dims(t) == 2 &&
