@@ -61,7 +61,11 @@ type Config struct {
 	// RecoverTimeout bounds how long a sequence whose pipeline broke waits
 	// for a new one before its request fails; 0 means 30 s.
 	RecoverTimeout time.Duration
-	// MaxRecoveries bounds how often one sequence is replayed; 0 means 3.
+	// MaxRecoveries bounds how often one sequence is replayed in a row
+	// without producing a token; 0 means 3. A replay that makes progress
+	// resets the count, so a long request survives a mesh that loses and
+	// regains nodes over its life, while a pipeline that keeps failing
+	// ends it.
 	MaxRecoveries int
 }
 
@@ -546,6 +550,7 @@ func (s *Scheduler) accept(q *seq, tok int32) (string, bool) {
 	}
 	q.tokens = append(q.tokens, tok)
 	q.generated++
+	q.recoveries = 0 // progress: the next failure is a new one
 	piece, err := s.tok.Decode([]int32{tok})
 	if err != nil {
 		s.finish(q, Event{Err: fmt.Errorf("decoding token %d: %w", tok, err)})

@@ -358,6 +358,83 @@ func TestReplayAfterPipelineFailure(t *testing.T) {
 	}
 }
 
+// failing fails the forward passes that fails picks (by 1-based call).
+type failing struct {
+	Pipeline
+	mu    sync.Mutex
+	calls int
+	fails func(call int) bool
+}
+
+func (f *failing) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
+	f.mu.Lock()
+	f.calls++
+	fail := f.fails(f.calls)
+	f.mu.Unlock()
+	if fail {
+		return nil, errors.New("hop 1: connection reset")
+	}
+	return f.Pipeline.Forward(ctx, b)
+}
+
+// TestRecoveriesBoundFailuresWithoutProgress: MaxRecoveries counts
+// failures in a row, not over a request's life. A pipeline that breaks
+// again and again, with tokens produced in between, still gives the
+// uninterrupted text; one that never gets a token through ends the request
+// with an error after MaxRecoveries replays.
+func TestRecoveriesBoundFailuresWithoutProgress(t *testing.T) {
+	tests := []struct {
+		name    string
+		fails   func(call int) bool
+		wantErr bool
+		replays uint64
+	}{
+		{"five failures with progress between", func(c int) bool { return c%5 == 3 && c < 28 }, false, 5},
+		{"every pass fails from the 4th", func(c int) bool { return c >= 4 }, true, 4},
+	}
+	run := func(fails func(int) bool) (string, Event, Stats) {
+		eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 4, Context: 512})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer eng.Close()
+		tok, _ := ggufstage.LoadTokenizer(storiesPath)
+		s := New(&failing{Pipeline: Local(eng), fails: fails}, tok, Config{Parallel: 2, RecoverTimeout: 5 * time.Second, MaxRecoveries: 3}, nil)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { s.Run(ctx); close(done) }()
+		defer func() { cancel(); <-done }()
+		prompt, _ := tok.Encode("Once upon a time", true)
+		ch, err := s.Submit(context.Background(), Request{Prompt: prompt, MaxTokens: 24, Sampling: greedy()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		text, last := collect(t, ch)
+		return text, last, s.Stats()
+	}
+	want, _, _ := run(func(int) bool { return false })
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, last, st := run(tt.fails)
+			if st.Replays != tt.replays {
+				t.Errorf("%d replays, want %d", st.Replays, tt.replays)
+			}
+			if tt.wantErr {
+				if last.Err == nil {
+					t.Fatalf("the request succeeded (%q) on a pipeline that never works", got)
+				}
+				return
+			}
+			if last.Err != nil || !last.Done {
+				t.Fatalf("final event %+v", last)
+			}
+			if got != want {
+				t.Errorf("got %q\nwant %q", got, want)
+			}
+		})
+	}
+}
+
 // lanes makes a local pipeline look like a route of n stages that takes
 // batches without waiting for them; results come back in order.
 type lanes struct {
