@@ -146,7 +146,7 @@ func ParseQuant(s string) (QuantPolicy, error) {
 	}
 	body, ok := strings.CutPrefix(s, "q")
 	if !ok {
-		return p, fmt.Errorf("quantization %q: want none, q4, q8, q4g32, ...", s)
+		return p, fmt.Errorf("quantization %q: want none, or q<bits> with an optional g<group>, such as q4, q8 or q4g32", s)
 	}
 	bits, group, hasGroup := strings.Cut(body, "g")
 	var err error

@@ -9,7 +9,6 @@ import (
 
 	"github.com/meshnode/meshnode/node/admin"
 	"github.com/meshnode/meshnode/node/membership"
-	"github.com/meshnode/meshnode/node/planner"
 )
 
 // The status types are admin's (GET /api/status); these names remain for
@@ -221,14 +220,6 @@ func (m *mesh) statusNode(mem membership.Member, ob observation, stats *admin.No
 		n.MemUsed = stats.Stage.MemUsed
 	}
 	return n
-}
-
-func planStages(p planner.Plan) []StatusStage {
-	out := []StatusStage{}
-	for _, s := range p.Stages {
-		out = append(out, StatusStage{Node: s.Node, Start: s.Start, End: s.End})
-	}
-	return out
 }
 
 // gauges are the node's levels for /metrics.

@@ -65,23 +65,6 @@ type testNode struct {
 	log    *bytes.Buffer
 }
 
-func (n *testNode) stop(t *testing.T) {
-	t.Helper()
-	if n.cmd != nil {
-		n.kill()
-		return
-	}
-	n.cancel()
-	select {
-	case err := <-n.done:
-		if err != nil {
-			t.Errorf("node.Run: %v", err)
-		}
-	case <-time.After(20 * time.Second):
-		t.Error("node.Run did not return")
-	}
-}
-
 // kill ends a child node with SIGKILL: no goodbye to the mesh.
 func (n *testNode) kill() {
 	if n.cmd == nil || n.cmd.Process == nil {
@@ -366,7 +349,7 @@ func TestStatusMesh(t *testing.T) {
 	}
 
 	// It comes back (same data dir, so the same peer ID; same ports).
-	c = startChild(t, cArgs)
+	startChild(t, cArgs)
 	st = waitStatus(t, ctx, "the mesh serving again", 60*time.Second, args, func(st admin.Status, code int) bool {
 		n := nodeOf(st, pc)
 		return code == 0 && n != nil && n.State == admin.StateReady && len(st.Nodes) == 3

@@ -336,7 +336,7 @@ type usageJSON struct {
 }
 
 func toUsageJSON(u Usage) usageJSON {
-	return usageJSON{PromptTokens: u.PromptTokens, CompletionTokens: u.CompletionTokens, TotalTokens: u.TotalTokens}
+	return usageJSON(u)
 }
 
 // Response objects, fields in OpenAI's order. Logprobs is always null.

@@ -194,41 +194,38 @@ func (l *link) send() {
 	}
 }
 
-// watch reads what the next hop sends up: only fatal errors, which end
-// this link and go on upstream. Its end of stream ends the link too,
+// watch reads what the next hop sends up: one frame, only ever a fatal
+// error, which ends this link and goes on upstream. Its end of stream ends the link too,
 // unless this side closed first.
 func (l *link) watch() {
 	defer l.s.wg.Done()
 	defer close(l.watched)
 	next := l.st.Hop + 1
-	for {
-		f, err := l.down.Recv()
-		if err != nil {
-			select {
-			case <-l.closing:
-				return
-			default:
-			}
-			if l.ctx.Err() == nil {
-				l.cancel(&failure{hop: next, from: fromDown, err: fmt.Errorf("%w: stream to hop %d (%s) ended: %w", wire.ErrUnavailable, next, l.nextPeer, err)})
-			}
+	f, err := l.down.Recv()
+	if err != nil {
+		select {
+		case <-l.closing:
 			return
+		default:
 		}
-		re, err := wire.DecodeError(f)
-		if err != nil || re.Hop >= len(l.st.Route) {
-			if err == nil {
-				err = fmt.Errorf("%w: error names hop %d of %d", wire.ErrBadFrame, re.Hop, len(l.st.Route))
-			}
-			l.s.badPeer(l.nextPeer, err)
-			l.cancel(&failure{hop: next, from: fromDown, err: fmt.Errorf("%w: hop %d (%s) sent a bad frame: %w", wire.ErrUnavailable, next, l.nextPeer, err)})
-			return
+		if l.ctx.Err() == nil {
+			l.cancel(&failure{hop: next, from: fromDown, err: fmt.Errorf("%w: stream to hop %d (%s) ended: %w", wire.ErrUnavailable, next, l.nextPeer, err)})
 		}
-		if re.Hop < 0 {
-			re.Hop = next
-		}
-		l.cancel(&failure{step: re.Step, hop: re.Hop, from: fromDown, err: re})
 		return
 	}
+	re, err := wire.DecodeError(f)
+	if err != nil || re.Hop >= len(l.st.Route) {
+		if err == nil {
+			err = fmt.Errorf("%w: error names hop %d of %d", wire.ErrBadFrame, re.Hop, len(l.st.Route))
+		}
+		l.s.badPeer(l.nextPeer, err)
+		l.cancel(&failure{hop: next, from: fromDown, err: fmt.Errorf("%w: hop %d (%s) sent a bad frame: %w", wire.ErrUnavailable, next, l.nextPeer, err)})
+		return
+	}
+	if re.Hop < 0 {
+		re.Hop = next
+	}
+	l.cancel(&failure{step: re.Step, hop: re.Hop, from: fromDown, err: re})
 }
 
 // loop runs the pipeline's frames in order until the upstream side ends.

@@ -289,7 +289,7 @@ func TestOversizedMessage(t *testing.T) {
 // decodeUntilError runs decode steps of twoSeqs until one fails, calling
 // kill after the third, and returns the error and how long it took to
 // come after the kill.
-func decodeUntilError(t *testing.T, p *Pipeline, kill func()) (error, time.Duration) {
+func decodeUntilError(t *testing.T, p *Pipeline, kill func()) (time.Duration, error) {
 	t.Helper()
 	openAll(t, p, twoSeqs, func(int) sample.Params { return greedy() })
 	b := twoSeqs.prefill()
@@ -304,12 +304,12 @@ func decodeUntilError(t *testing.T, p *Pipeline, kill func()) (error, time.Durat
 			if killed.IsZero() {
 				t.Fatalf("step %d failed before the kill: %v", step, err)
 			}
-			return err, time.Since(killed)
+			return time.Since(killed), err
 		}
 		b = twoSeqs.decode(step, toks)
 	}
 	t.Fatal("no error after the kill")
-	return nil, 0
+	return 0, nil
 }
 
 // A stage whose process dies (every socket of it cut at once) fails the
@@ -319,7 +319,7 @@ func TestStageDies(t *testing.T) {
 		t.Run(fmt.Sprintf("hop %d", hop), func(t *testing.T) {
 			m := newMesh(t, threeStages, engineOpts)
 			p := m.pipeline(t, Config{StepTimeout: 5 * time.Second})
-			err, took := decodeUntilError(t, p, m.stages[hop].kill.kill)
+			took, err := decodeUntilError(t, p, m.stages[hop].kill.kill)
 			var he *HopError
 			if !errors.As(err, &he) || he.Hop != hop || he.Peer != m.route[hop].Peer {
 				t.Fatalf("error %v, want one naming hop %d", err, hop)
@@ -344,7 +344,7 @@ func TestStageStopped(t *testing.T) {
 		t.Run(fmt.Sprintf("hop %d", hop), func(t *testing.T) {
 			m := newMesh(t, threeStages, engineOpts)
 			p := m.pipeline(t, Config{StepTimeout: 5 * time.Second})
-			err, took := decodeUntilError(t, p, m.stages[hop].gs.Stop)
+			took, err := decodeUntilError(t, p, m.stages[hop].gs.Stop)
 			var he *HopError
 			if !errors.As(err, &he) || took > 5*time.Second {
 				t.Fatalf("error %v after %s", err, took)
@@ -379,7 +379,7 @@ func TestStall(t *testing.T) {
 	defer close(g.gate) // before the stages' cleanup, which waits for the engine call
 	const timeout = time.Second
 	p := m.pipeline(t, Config{StepTimeout: timeout})
-	err, took := decodeUntilError(t, p, func() { g.shut.Store(true) })
+	took, err := decodeUntilError(t, p, func() { g.shut.Store(true) })
 	if !errors.Is(err, ErrStalled) || took < timeout || took > timeout+3*time.Second {
 		t.Fatalf("error %v after %s", err, took)
 	}
@@ -398,7 +398,7 @@ func TestAbort(t *testing.T) {
 	defer close(g.gate) // before the stages' cleanup, which waits for the engine call
 	p := m.pipeline(t, Config{StepTimeout: 30 * time.Second})
 	gone := errors.New("hop 1's node left the mesh")
-	err, took := decodeUntilError(t, p, func() {
+	took, err := decodeUntilError(t, p, func() {
 		g.shut.Store(true)
 		time.AfterFunc(100*time.Millisecond, func() { p.Abort(gone) })
 	})

@@ -150,7 +150,7 @@ func randOptions(r *rand.Rand) Options {
 
 // expect works out, independently of Place, which error it must return
 // (nil when some placement exists), the candidates and the valid pins.
-func expect(m Model, nodes []Node, o Options) (error, []cand, []Range) {
+func expect(m Model, nodes []Node, o Options) ([]cand, []Range, error) {
 	var free []cand
 	var pins []Range
 	someCand := false
@@ -166,25 +166,25 @@ func expect(m Model, nodes []Node, o Options) (error, []cand, []Range) {
 		}
 		r := *n.Pin
 		if r.Start < 0 || r.End > m.Layers || r.Start >= r.End || m.StageMemory(r.Start, r.End).Total(m.KVTokens) > c.usable {
-			return ErrBadPin, nil, nil
+			return nil, nil, ErrBadPin
 		}
 		pins = append(pins, r)
 	}
 	if !someCand {
-		return ErrNoNodes, nil, nil
+		return nil, nil, ErrNoNodes
 	}
 	for i, a := range pins {
 		for _, b := range pins[i+1:] {
 			if a.Start < b.End && b.Start < a.End {
-				return ErrBadPin, nil, nil
+				return nil, nil, ErrBadPin
 			}
 		}
 	}
 	if o.MaxStages > 0 && len(pins) > o.MaxStages {
-		return ErrBadPin, nil, nil
+		return nil, nil, ErrBadPin
 	}
 	slices.SortFunc(free, func(a, b cand) int { return cmp.Compare(a.id, b.id) })
-	return nil, free, pins
+	return free, pins, nil
 }
 
 func maxFreeFor(o Options, pins []Range, free int) int {
@@ -210,7 +210,7 @@ func TestPlaceAgainstBruteForce(t *testing.T) {
 		o := randOptions(r)
 		name := fmt.Sprintf("case %d: model %+v nodes %+v opts %+v", i, m, nodes, o)
 		p, err := Place(m, nodes, o)
-		wantErr, free, pins := expect(m, nodes, o)
+		free, pins, wantErr := expect(m, nodes, o)
 		if wantErr != nil {
 			counts[wantErr.Error()]++
 			if !errors.Is(err, wantErr) {
@@ -276,7 +276,7 @@ func TestSearchesAgainstBruteForce(t *testing.T) {
 		m := randModel(r, 7)
 		o := randOptions(r)
 		nodes := randNodes(r, m, 1+r.IntN(5), 60)
-		wantErr, free, pins := expect(m, nodes, o)
+		free, pins, wantErr := expect(m, nodes, o)
 		if wantErr != nil {
 			continue
 		}
@@ -359,7 +359,7 @@ func TestLargeMeshes(t *testing.T) {
 		o.MaxStages = 0
 		name := fmt.Sprintf("case %d: model %+v nodes %+v opts %+v", i, m, nodes, o)
 		p, err := Place(m, nodes, o)
-		wantErr, free, _ := expect(m, nodes, o)
+		free, _, wantErr := expect(m, nodes, o)
 		if wantErr != nil {
 			if !errors.Is(err, wantErr) {
 				t.Fatalf("%s\nPlace: %v, want %v", name, err, wantErr)
