@@ -8,15 +8,12 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -24,6 +21,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/peer"
 
 	"github.com/meshnode/meshnode/node/host"
+	"github.com/meshnode/meshnode/node/internal/netdelay"
 )
 
 // The chaos tests' network: a prefix and a subnet of their own, apart from
@@ -34,7 +32,7 @@ const (
 	chaosP2PPort = 4001
 	chaosAPIPort = 9337
 	// Delay relays listen on the bridge's address, one port per ordered
-	// pair of nodes: relayBase + 10*from + to.
+	// pair of nodes: relayBase + 10*from + to (netdelay.Config.BasePort).
 	relayBase = 41000
 )
 
@@ -163,7 +161,7 @@ type nsMesh struct {
 	apiKey string
 	key    string // the mesh key
 	join   string // node 1's address
-	relays *delayRelays
+	relays delayRelays
 }
 
 // chaosNodeArgs are the flags of every node: its namespace's address, one
@@ -292,164 +290,29 @@ func (m *nsMesh) dumpStacks(t *testing.T) {
 
 // ---- delay relays ----
 
-// delayRelays put a userspace TCP relay on every ordered pair of nodes:
-// in node I's namespace an nftables rule sends its connections to node J's
-// libp2p port to the relay for (I,J), which listens on the bridge's
-// address in the root namespace, dials node J, and forwards every chunk
-// it reads, in both directions, a set delay after reading it. The delay is
-// per pair of nodes and starts at zero; the kernel's netem is not needed.
-// The rules are in place before the nodes start, so that every libp2p
-// connection between two nodes, whichever dialed, crosses a relay.
-type delayRelays struct {
-	delays map[[2]int]*atomic.Int64 // by pair (low, high): nanoseconds
-	lns    []net.Listener
-	ctx    context.Context
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
-	mu     sync.Mutex
-	conns  map[net.Conn]struct{}
+// startDelayRelays puts a delay relay (netdelay.Start) on every ordered
+// pair of the network's nodes, with no delay until set; it is closed when
+// the test ends. The rules are in place before the nodes start, so that
+// every libp2p connection between two nodes, whichever dialed, crosses a
+// relay; the kernel's netem is not needed.
+func startDelayRelays(t *testing.T, nw *nsNet) (delayRelays, error) {
+	cfg := netdelay.Config{Gateway: nw.gateway(), Port: chaosP2PPort, BasePort: relayBase}
+	for i := 1; i <= nw.n; i++ {
+		cfg.Namespaces = append(cfg.Namespaces, nw.ns(i))
+		cfg.Addrs = append(cfg.Addrs, nw.addr(i))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	r, err := netdelay.Start(ctx, cfg)
+	if err != nil {
+		return delayRelays{}, fmt.Errorf("delay relays: %w", err)
+	}
+	t.Cleanup(r.Close)
+	return delayRelays{r}, nil
 }
 
-func startDelayRelays(t *testing.T, nw *nsNet) (*delayRelays, error) {
-	r := &delayRelays{delays: map[[2]int]*atomic.Int64{}, conns: map[net.Conn]struct{}{}}
-	r.ctx, r.cancel = context.WithCancel(context.Background())
-	t.Cleanup(r.close)
-	for i := 1; i <= nw.n; i++ {
-		var rules strings.Builder
-		fmt.Fprintf(&rules, "table ip meshdelay {\n chain out {\n  type nat hook output priority -100; policy accept;\n")
-		for j := 1; j <= nw.n; j++ {
-			if i == j {
-				continue
-			}
-			pair := [2]int{min(i, j), max(i, j)}
-			if r.delays[pair] == nil {
-				r.delays[pair] = new(atomic.Int64)
-			}
-			port := relayBase + 10*i + j
-			ln, err := net.Listen("tcp", fmt.Sprintf("%s:%d", nw.gateway(), port))
-			if err != nil {
-				return nil, fmt.Errorf("relay %d→%d: %w", i, j, err)
-			}
-			r.lns = append(r.lns, ln)
-			dst := fmt.Sprintf("%s:%d", nw.addr(j), chaosP2PPort)
-			r.wg.Go(func() { r.serve(ln, dst, r.delays[pair]) })
-			fmt.Fprintf(&rules, "  ip daddr %s tcp dport %d dnat to %s:%d\n", nw.addr(j), chaosP2PPort, nw.gateway(), port)
-		}
-		rules.WriteString(" }\n chain post {\n  type nat hook postrouting priority 100; policy accept;\n }\n}\n")
-		cmd := exec.Command("ip", "netns", "exec", nw.ns(i), "nft", "-f", "-")
-		cmd.Stdin = strings.NewReader(rules.String())
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return nil, fmt.Errorf("nft in %s: %w: %s\n%s", nw.ns(i), err, out, rules.String())
-		}
-	}
-	return r, nil
-}
+// delayRelays are a mesh's relays, as the chaos tests set them.
+type delayRelays struct{ *netdelay.Mesh }
 
 // set makes the hop between nodes i and j (both ways) d slower.
-func (r *delayRelays) set(i, j int, d time.Duration) {
-	r.delays[[2]int{min(i, j), max(i, j)}].Store(int64(d))
-}
-
-func (r *delayRelays) close() {
-	r.cancel()
-	for _, ln := range r.lns {
-		ln.Close()
-	}
-	r.mu.Lock()
-	for c := range r.conns {
-		c.Close()
-	}
-	r.mu.Unlock()
-	r.wg.Wait()
-}
-
-func (r *delayRelays) track(c net.Conn) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.ctx.Err() != nil {
-		return false
-	}
-	r.conns[c] = struct{}{}
-	return true
-}
-
-func (r *delayRelays) untrack(c net.Conn) {
-	r.mu.Lock()
-	delete(r.conns, c)
-	r.mu.Unlock()
-	c.Close()
-}
-
-func (r *delayRelays) serve(ln net.Listener, dst string, delay *atomic.Int64) {
-	for {
-		in, err := ln.Accept()
-		if err != nil {
-			return // closed
-		}
-		if !r.track(in) {
-			in.Close()
-			return
-		}
-		r.wg.Go(func() {
-			defer r.untrack(in)
-			d := net.Dialer{Timeout: 5 * time.Second}
-			out, err := d.DialContext(r.ctx, "tcp", dst)
-			if err != nil {
-				return
-			}
-			if !r.track(out) {
-				out.Close()
-				return
-			}
-			defer r.untrack(out)
-			var pipes sync.WaitGroup
-			pipes.Go(func() { delayCopy(out, in, delay) })
-			pipes.Go(func() { delayCopy(in, out, delay) })
-			pipes.Wait()
-		})
-	}
-}
-
-// delayCopy forwards what it reads from src to dst, each chunk delay
-// after it was read (a reader and a writer, so that a long delay does not
-// slow the rate), and closes dst's write side at src's end. A failure on
-// either side closes both.
-func delayCopy(dst, src net.Conn, delay *atomic.Int64) {
-	type chunk struct {
-		data []byte
-		due  time.Time
-	}
-	q := make(chan chunk, 4096)
-	// The reader ends at src's end, or when the writer closes src; the
-	// writer returns only once q is closed, so it outlives the reader.
-	go func() {
-		defer close(q)
-		for {
-			buf := make([]byte, 32<<10)
-			n, err := src.Read(buf)
-			if n > 0 {
-				q <- chunk{buf[:n], time.Now().Add(time.Duration(delay.Load()))}
-			}
-			if err != nil {
-				return
-			}
-		}
-	}()
-	for c := range q {
-		if wait := time.Until(c.due); wait > 0 {
-			time.Sleep(wait)
-		}
-		if _, err := dst.Write(c.data); err != nil {
-			src.Close()
-			dst.Close()
-			for range q { // let the reader end
-			}
-			return
-		}
-	}
-	if tc, ok := dst.(*net.TCPConn); ok {
-		_ = tc.CloseWrite()
-	} else {
-		dst.Close()
-	}
-}
+func (r delayRelays) set(i, j int, d time.Duration) { r.Set(i, j, d) }
