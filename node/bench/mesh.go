@@ -31,6 +31,7 @@ import (
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/node"
+	"github.com/meshnode/meshnode/node/internal/netdelay"
 )
 
 // MeshConfig of a mesh benchmark.
@@ -47,7 +48,7 @@ type MeshConfig struct {
 	GPUPerNode   bool          // node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES), as on a multi-GPU host
 	SkipLoopback bool          // measure only in network namespaces
 	Netns        bool          // also measure with every node in its own network namespace
-	NetnsDelay   time.Duration // netem delay on each node's veth (0: no qdisc)
+	NetnsDelay   time.Duration // one-way delay of every hop between two nodes (0: none); see setupNetns
 	WorkDir      string        // data dirs and logs; default a temporary dir, removed unless a run fails
 	ReadyTimeout time.Duration // how long a mesh may take to form; default 10 minutes
 }
@@ -68,13 +69,17 @@ type MeshRow struct {
 }
 
 // netns layout: a bridge on the host, one namespace per node, addresses
-// 10.77.1.0/24 (the bridge .1, node i .10+i).
+// 10.77.1.0/24 (the bridge .1, node i .10+i). In a namespace every node has
+// the same ports: libp2p 4001 (which the delay relay's rules match), HTTP
+// 9337.
 const (
-	netnsBridge  = "mnbench0"
-	netnsPrefix  = "mnbench-"
-	netnsSubnet  = "10.77.1."
-	netnsHTTP    = 9337
-	maxMeshNodes = 9
+	netnsBridge    = "mnbench0"
+	netnsPrefix    = "mnbench-"
+	netnsSubnet    = "10.77.1."
+	netnsHTTP      = 9337
+	netnsP2P       = 4001
+	netnsRelayBase = 43000 // the delay relay for node i's connections to node j listens on 10.77.1.1:(43000+10i+j)
+	maxMeshNodes   = netdelay.MaxNodes
 )
 
 func (c *MeshConfig) defaults() error {
@@ -123,7 +128,8 @@ func (c *MeshConfig) defaults() error {
 type meshNetwork struct {
 	name   string
 	netns  bool
-	apiKey string // set when HTTP binds beyond loopback
+	apiKey string         // set when HTTP binds beyond loopback
+	relay  *netdelay.Mesh // the delay relay between the namespaces, if the delay is not netem's
 }
 
 // RunMesh starts meshes of each stage count, measures decode speed through
@@ -174,10 +180,11 @@ func RunMesh(ctx context.Context, cfg MeshConfig, log io.Writer) (rows []MeshRow
 	}()
 
 	var nets []meshNetwork
+	var lab *netnsLab
 	if cfg.Netns {
 		// Set up the namespaces first: a machine that cannot have them
 		// fails before any measurement, not after the loopback ones.
-		lab, err := setupNetns(slices.Max(cfg.Stages), cfg.NetnsDelay, log)
+		lab, err = setupNetns(ctx, slices.Max(cfg.Stages), cfg.NetnsDelay, log)
 		if err != nil {
 			return nil, err
 		}
@@ -191,7 +198,7 @@ func RunMesh(ctx context.Context, cfg MeshConfig, log io.Writer) (rows []MeshRow
 		if cfg.NetnsDelay > 0 {
 			name += "+" + cfg.NetnsDelay.String()
 		}
-		nets = append(nets, meshNetwork{name: name, netns: true, apiKey: randomKey()})
+		nets = append(nets, meshNetwork{name: name, netns: true, apiKey: randomKey(), relay: lab.relay})
 	}
 
 	tokens := promptTokens(info.Vocab)
@@ -270,6 +277,10 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages int, 
 		}
 	}()
 	fmt.Fprintf(log, "\n%s, %d stage(s): starting %d node(s), logs in %s\n", nw.name, stages, stages, logDir)
+	var relayed netdelay.Stats
+	if nw.relay != nil {
+		relayed = nw.relay.Stats()
+	}
 	start := time.Now()
 	if err := m.start(ctx, stages, info); err != nil {
 		return nil, err
@@ -327,6 +338,16 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages int, 
 	}
 	if planText(st.Plan) != planText(plan) {
 		return nil, fmt.Errorf("node 1's plan changed during the measurement: %s, then %s", planText(plan), planText(st.Plan))
+	}
+	if nw.relay != nil {
+		// The delay applies only to what crosses the relay: a split mesh
+		// whose stages talked past it was not measured with the delay.
+		now := nw.relay.Stats()
+		conns, bytes := now.Conns-relayed.Conns, now.Bytes-relayed.Bytes
+		fmt.Fprintf(log, "delay relay: %d connection(s), %.2f MB between the nodes\n", conns, float64(bytes)/1e6)
+		if stages > 1 && (conns == 0 || bytes == 0) {
+			return nil, fmt.Errorf("the delay relay carried nothing between the %d nodes: the delay did not apply", stages)
+		}
 	}
 	return rows, nil
 }
@@ -386,17 +407,18 @@ func (m *meshRun) start(ctx context.Context, stages int, info ggufstage.ModelInf
 	cfg := m.cfg
 	common := func(i int) ([]string, error) {
 		host := m.nodeHost(i)
-		port := netnsHTTP
+		port, p2p := netnsHTTP, netnsP2P
 		if !m.nw.netns {
 			var err error
 			if port, err = freePort(); err != nil {
 				return nil, err
 			}
+			p2p = 0
 		}
 		args := []string{
 			"--data-dir", filepath.Join(m.workDir, fmt.Sprintf("data%d", i)),
 			"--http", net.JoinHostPort(host, strconv.Itoa(port)),
-			"--listen", "/ip4/" + host + "/tcp/0",
+			"--listen", fmt.Sprintf("/ip4/%s/tcp/%d", host, p2p),
 			"--gossip-port", "-1",
 			"--log-format", "console",
 			// Teardown stops every node at once: no node could take over
@@ -954,19 +976,28 @@ func PrintMesh(w io.Writer, rows []MeshRow) {
 	}
 }
 
-// netnsLab is the namespaces, veths and bridge of a netns run.
+// netnsLab is the namespaces, veths and bridge of a netns run, and the
+// delay relay between the namespaces when the delay is not netem's.
 type netnsLab struct {
 	nodes int
+	relay *netdelay.Mesh
 }
 
 func netnsName(i int) string { return fmt.Sprintf("%s%d", netnsPrefix, i) }
 
 // setupNetns makes one namespace per node, each with a veth whose other end
 // is on a bridge the host holds 10.77.1.1 on; node i gets 10.77.1.(10+i).
-// With a delay, each node's veth gets a netem qdisc: every packet a node
-// sends waits that long, so a hop between nodes costs the delay one way and
-// twice it for a round trip.
-func setupNetns(nodes int, delay time.Duration, log io.Writer) (*netnsLab, error) {
+//
+// With a delay, every hop between two nodes costs it one way (twice it
+// for a round trip), in one of two ways. Where the kernel has netem, each
+// node's veth gets a netem qdisc: every packet a node sends waits the
+// delay (its HTTP answers to this process too). Otherwise a delay relay in
+// this process carries the nodes' libp2p connections (port 4001: stage
+// streams, gossip and weights; not HTTP): an nftables rule in each
+// namespace sends a node's connections to another node's port 4001 to the
+// relay for that pair on the bridge, which forwards every chunk the delay
+// after reading it, both ways (netdelay.Start).
+func setupNetns(ctx context.Context, nodes int, delay time.Duration, log io.Writer) (lab *netnsLab, err error) {
 	if runtime.GOOS != "linux" {
 		return nil, errors.New("--netns-delay needs Linux network namespaces")
 	}
@@ -976,27 +1007,26 @@ func setupNetns(nodes int, delay time.Duration, log io.Writer) (*netnsLab, error
 	if _, err := exec.LookPath("ip"); err != nil {
 		return nil, errors.New("--netns-delay needs iproute2's ip command in PATH")
 	}
-	if delay > 0 {
-		if _, err := exec.LookPath("tc"); err != nil {
-			return nil, errors.New("--netns-delay needs iproute2's tc command in PATH")
-		}
-	}
-	lab := &netnsLab{nodes: nodes}
+	lab = &netnsLab{nodes: nodes}
 	if err := lab.clearStale(); err != nil {
 		return nil, err
 	}
 	if err := checkSubnetFree(); err != nil {
 		return nil, err
 	}
-	fmt.Fprintf(log, "network namespaces: bridge %s at %s1/24, %d namespaces %s1…, netem delay %v on each node's veth\n",
-		netnsBridge, netnsSubnet, nodes, netnsPrefix, delay)
+	fmt.Fprintf(log, "network namespaces: bridge %s at %s1/24, %d namespaces %s1…\n", netnsBridge, netnsSubnet, nodes, netnsPrefix)
+	defer func() {
+		if err != nil {
+			lab.cleanup(log)
+		}
+	}()
 	steps := [][]string{
 		{"link", "add", netnsBridge, "type", "bridge"},
 		{"addr", "add", netnsSubnet + "1/24", "dev", netnsBridge},
 		{"link", "set", netnsBridge, "up"},
 	}
 	for i := 1; i <= nodes; i++ {
-		ns, host, peer := netnsName(i), fmt.Sprintf("mnbh%d", i), fmt.Sprintf("mnbn%d", i)
+		ns, host, peer := netnsName(i), fmt.Sprintf("mnbh%d", i), netnsPeerLink(i)
 		steps = append(steps,
 			[]string{"netns", "add", ns},
 			[]string{"link", "add", host, "type", "veth", "peer", "name", peer},
@@ -1010,24 +1040,60 @@ func setupNetns(nodes int, delay time.Duration, log io.Writer) (*netnsLab, error
 	}
 	for _, s := range steps {
 		if err := runCmd("ip", s...); err != nil {
-			lab.cleanup(log)
 			return nil, err
 		}
 	}
-	if delay > 0 {
-		for i := 1; i <= nodes; i++ {
-			err := runCmd("ip", "netns", "exec", netnsName(i), "tc", "qdisc", "add", "dev", fmt.Sprintf("mnbn%d", i),
-				"root", "netem", "delay", fmt.Sprintf("%dus", delay.Microseconds()))
-			if err != nil {
-				lab.cleanup(log)
-				if strings.Contains(err.Error(), "qdisc kind is unknown") {
-					return nil, fmt.Errorf("%w\n(this kernel has no netem qdisc, sch_netem: load it with 'modprobe sch_netem', or pass --netns-delay 0 for namespaces without delay)", err)
-				}
-				return nil, err
-			}
-		}
+	if delay <= 0 {
+		fmt.Fprintf(log, "no delay between the namespaces\n")
+		return lab, nil
+	}
+	if err := lab.addDelay(ctx, delay, log); err != nil {
+		return nil, err
 	}
 	return lab, nil
+}
+
+// netnsPeerLink is node i's end of its veth, inside its namespace.
+func netnsPeerLink(i int) string { return fmt.Sprintf("mnbn%d", i) }
+
+// addDelay delays every hop between the nodes: netem on each node's veth
+// where the kernel has it, else the delay relay.
+func (l *netnsLab) addDelay(ctx context.Context, delay time.Duration, log io.Writer) error {
+	if _, err := exec.LookPath("tc"); err == nil {
+		err := netdelay.Netem(ctx, netnsName(1), netnsPeerLink(1), delay)
+		if err == nil {
+			for i := 2; i <= l.nodes && err == nil; i++ {
+				err = netdelay.Netem(ctx, netnsName(i), netnsPeerLink(i), delay)
+			}
+			if err != nil {
+				return fmt.Errorf("--netns-delay: %w", err)
+			}
+			fmt.Fprintf(log, "delay %v: netem qdisc on each node's veth (every packet a node sends waits %v)\n", delay, delay)
+			return nil
+		}
+		if !errors.Is(err, netdelay.ErrNoNetem) {
+			return fmt.Errorf("--netns-delay: %w", err)
+		}
+		fmt.Fprintf(log, "delay %v: this kernel has no netem qdisc (sch_netem); using the delay relay\n", delay)
+	} else {
+		fmt.Fprintf(log, "delay %v: no tc command for netem; using the delay relay\n", delay)
+	}
+	if _, err := exec.LookPath("nft"); err != nil {
+		return fmt.Errorf("--netns-delay: without netem the delay relay needs nftables' nft command in PATH (or pass --netns-delay 0): %w", err)
+	}
+	cfg := netdelay.Config{Port: netnsP2P, Gateway: netnsSubnet + "1", BasePort: netnsRelayBase, Delay: delay}
+	for i := 1; i <= l.nodes; i++ {
+		cfg.Namespaces = append(cfg.Namespaces, netnsName(i))
+		cfg.Addrs = append(cfg.Addrs, fmt.Sprintf("%s%d", netnsSubnet, 10+i))
+	}
+	r, err := netdelay.Start(ctx, cfg)
+	if err != nil {
+		return fmt.Errorf("--netns-delay: starting the delay relay: %w", err)
+	}
+	l.relay = r
+	fmt.Fprintf(log, "delay relay: every node's libp2p connections (port %d: stages, gossip, weights; not HTTP) to another node go through this process at %s1:%d+10i+j, each chunk forwarded %v after it was read, both ways\n",
+		netnsP2P, netnsSubnet, netnsRelayBase, delay)
+	return nil
 }
 
 // clearStale removes namespaces and the bridge a killed earlier run left,
@@ -1078,9 +1144,13 @@ func checkSubnetFree() error {
 	return nil
 }
 
-// cleanup deletes the namespaces (which takes their veths along) and the
-// bridge. It runs whatever happened before, so it only reports failures.
+// cleanup stops the delay relay and deletes the namespaces (which takes
+// their veths and nftables rules along) and the bridge. It runs whatever
+// happened before, so it only reports failures.
 func (l *netnsLab) cleanup(log io.Writer) {
+	if l.relay != nil {
+		l.relay.Close()
+	}
 	for i := 1; i <= l.nodes; i++ {
 		ns := netnsName(i)
 		if exec.Command("ip", "netns", "pids", ns).Run() != nil {
@@ -1103,7 +1173,7 @@ func (l *netnsLab) cleanup(log io.Writer) {
 func runCmd(name string, args ...string) error {
 	out, err := exec.Command(name, args...).CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("%s %s: %v: %s", name, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+		return fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
 	}
 	return nil
 }
