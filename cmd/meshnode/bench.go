@@ -25,7 +25,11 @@ tok/s of --streams concurrent streaming completions through node 1's API
 (a --prompt of 64 token ids, --decode tokens, temperature 0), with the ratio
 to the 1-stage mesh. --netns-delay D also runs every node in its own
 network namespace (root and iproute2; a bridge on 10.77.1.0/24) with a
-netem delay D on each node's veth; 0 gives namespaces without delay.
+one-way delay D on every hop between two nodes: a netem qdisc on each
+node's veth where the kernel has netem (sch_netem), else a delay relay in
+this process (needs nft) that the nodes' libp2p connections (port 4001)
+go through, each chunk forwarded D after it was read, both ways; the log
+says which. 0 gives namespaces without delay.
 
 Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen-model --preset 1b --type q4_0 --out /tmp/1b-q4_0.gguf
   meshnode bench --model /tmp/1b-q4_0.gguf --runs 3
@@ -43,7 +47,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	streams := fs.String("streams", "1,8", "comma-separated concurrent sequence counts")
 	mesh := fs.Bool("mesh", false, "measure meshes of --stages processes on this machine through the OpenAI API")
 	stages := fs.String("stages", "1,2,3", "with --mesh: comma-separated stage (process) counts")
-	netnsDelay := fs.String("netns-delay", "", "with --mesh: also run each node in its own network namespace with this netem delay (e.g. 1ms; 0 = none; needs root)")
+	netnsDelay := fs.String("netns-delay", "", "with --mesh: also run each node in its own network namespace, each hop between nodes delayed this much (netem, else a delay relay; e.g. 1ms; 0 = none; needs root)")
 	netnsOnly := fs.Bool("netns-only", false, "with --mesh and --netns-delay: skip the loopback meshes")
 	gpuPerNode := fs.Bool("gpu-per-node", false, "with --mesh: node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES)")
 	wire := fs.String("wire-dtype", "", "with --mesh: activations between stages (f16 or f32; default the nodes')")
