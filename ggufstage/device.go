@@ -23,7 +23,14 @@ func gpuLayers(dev *ml.DeviceInfo, start, end, total int) ml.GPULayersList {
 
 // Devices lists the GPUs ggml can use in this process (none when no GPU
 // backend library was found), probing with a dry-run load of path.
-func Devices(path string) (devs []ml.DeviceInfo, err error) {
+func Devices(path string) ([]ml.DeviceInfo, error) {
+	backendMu.Lock()
+	defer backendMu.Unlock()
+	return devices(path)
+}
+
+// devices is Devices for callers that hold backendMu.
+func devices(path string) (devs []ml.DeviceInfo, err error) {
 	defer recoverErr(&err, "probing devices")
 	m, err := model.New(path, ml.BackendParams{AllocMemory: false, NumThreads: 1})
 	if err != nil {
@@ -33,13 +40,14 @@ func Devices(path string) (devs []ml.DeviceInfo, err error) {
 	return m.Backend().BackendDevices(), nil
 }
 
-// pickDevice resolves Options.Device to a GPU, or nil for the CPU.
+// pickDevice resolves Options.Device to a GPU, or nil for the CPU. The
+// caller holds backendMu.
 func pickDevice(path, want string) (*ml.DeviceInfo, error) {
 	want = strings.ToLower(want)
 	if want == "cpu" {
 		return nil, nil
 	}
-	devs, err := Devices(path)
+	devs, err := devices(path)
 	if err != nil {
 		return nil, err
 	}

@@ -64,6 +64,8 @@ var _ stage.Engine = (*Engine)(nil)
 // Open loads a stage from a GGUF file that holds (at least) the tensors of
 // layers [start,end): a slice written by Slice, or a whole model.
 func Open(path string, start, end int, opts Options) (e *Engine, err error) {
+	backendMu.Lock()
+	defer backendMu.Unlock()
 	defer recoverErr(&err, "loading "+path)
 
 	meta, err := readHeader(path)
@@ -105,7 +107,7 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 		fa = ml.FlashAttentionEnabled
 	}
 	params := ml.BackendParams{AllocMemory: true, NumThreads: opts.Threads, FlashAttention: fa}
-	gpu, err := pickDevice(path, opts.Device)
+	gpu, err := pickDevice(path, opts.Device) // backendMu is held
 	if err != nil {
 		return nil, err
 	}
@@ -127,7 +129,7 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 	e = eng
 	defer func() {
 		if err != nil {
-			eng.Close()
+			eng.close() // backendMu is held
 		}
 	}()
 	eps, _ := meta.Get(meta.Arch() + ".attention.layer_norm_rms_epsilon")
@@ -198,6 +200,15 @@ func readHeader(path string) (*gguf.File, error) {
 	return meta, nil
 }
 
+// backendMu guards ggml's process-wide state against backend creation and
+// teardown: ollama's ggml backend is not safe to create or free while
+// another backend of the process computes (a load during a forward pass
+// corrupted the running engine: SIGSEGV in ggml_backend_tensor_set, or
+// GGML_ASSERT memset_tensor != NULL), and a mesh node loads its next
+// layer range while it still serves the old one. Open, Close, OpenStock
+// and Devices hold it exclusively; engine calls share it.
+var backendMu sync.RWMutex
+
 // computeMu serializes graph compute across every engine in the process:
 // ollama creates one ggml CPU backend per device for the whole process and
 // all models share it, work buffer included, so two graphs computing at
@@ -228,6 +239,8 @@ func (e *Engine) WeightBytes() uint64 { return e.weights }
 
 // Open reserves a cache slot for seq.
 func (e *Engine) Open(seq stage.SeqID) error {
+	backendMu.RLock()
+	defer backendMu.RUnlock()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if _, ok := e.slots[seq]; ok {
@@ -244,6 +257,8 @@ func (e *Engine) Open(seq stage.SeqID) error {
 
 // Trim drops seq's cached positions >= pos.
 func (e *Engine) Trim(seq stage.SeqID, pos int32) (err error) {
+	backendMu.RLock()
+	defer backendMu.RUnlock()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	defer recoverErr(&err, "trimming cache")
@@ -256,6 +271,8 @@ func (e *Engine) Trim(seq stage.SeqID, pos int32) (err error) {
 
 // Release frees seq's slot and its cache.
 func (e *Engine) Release(seq stage.SeqID) (err error) {
+	backendMu.RLock()
+	defer backendMu.RUnlock()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	defer recoverErr(&err, "releasing cache")
@@ -275,6 +292,8 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 		return nil, err
 	}
 
+	backendMu.RLock()
+	defer backendMu.RUnlock()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
@@ -349,7 +368,13 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 }
 
 // Close frees the engine's memory.
-func (e *Engine) Close() (err error) {
+func (e *Engine) Close() error {
+	backendMu.Lock()
+	defer backendMu.Unlock()
+	return e.close()
+}
+
+func (e *Engine) close() (err error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {

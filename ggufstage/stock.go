@@ -26,6 +26,8 @@ type Stock struct {
 
 // OpenStock loads path with ollama's stock path.
 func OpenStock(path string, opts Options) (s *Stock, err error) {
+	backendMu.Lock()
+	defer backendMu.Unlock()
 	defer recoverErr(&err, "loading "+path)
 	if opts.Threads <= 0 {
 		opts.Threads = runtime.NumCPU()
@@ -107,6 +109,8 @@ func (s *Stock) slot(seq stage.SeqID) (int, error) {
 // Forward runs token batch b (Tokens, Seqs, Pos, Outputs) through the whole
 // model and returns the logits of the output rows.
 func (s *Stock) Forward(b *stage.Batch) (logits []float32, err error) {
+	backendMu.RLock()
+	defer backendMu.RUnlock()
 	defer recoverErr(&err, "stock forward")
 	ctx := s.m.Backend().NewContext()
 	defer ctx.Close()
@@ -138,12 +142,16 @@ func (s *Stock) Forward(b *stage.Batch) (logits []float32, err error) {
 
 // Close frees the model.
 func (s *Stock) Close() {
+	backendMu.Lock()
+	defer backendMu.Unlock()
 	s.m.Config().Cache.Close()
 	s.m.Backend().Close()
 }
 
 // Release frees a sequence's cache.
 func (s *Stock) Release(seq stage.SeqID) (err error) {
+	backendMu.RLock()
+	defer backendMu.RUnlock()
 	defer recoverErr(&err, "stock release")
 	slot, ok := s.slots[seq]
 	if !ok {

@@ -283,54 +283,8 @@ func (l *localStage) close() {
 		l.server.Close()
 	}
 	if l.engine != nil {
-		engineLoads.Lock()
 		l.engine.Close()
-		engineLoads.Unlock()
 	}
-}
-
-// engineLoads keeps a ggml engine from loading while another engine of
-// the process runs: ollama's ggml backend is not safe to create while
-// another backend computes (ggufstage's lock covers compute only), and a
-// node loads its new layer range while it still serves the old one. A
-// load during a forward pass corrupted the running engine's buffers and
-// crashed a node in TestChaos (SIGSEGV in ggml_backend_tensor_set, or
-// GGML_ASSERT memset_tensor != NULL). Loads and closes take it
-// exclusively; the loaded engines' calls share it.
-var engineLoads sync.RWMutex
-
-// openEngine loads a stage's engine under engineLoads.
-func openEngine(path string, start, end int, opts ggufstage.Options) (*ggufstage.Engine, error) {
-	engineLoads.Lock()
-	defer engineLoads.Unlock()
-	return ggufstage.Open(path, start, end, opts)
-}
-
-// loadGuarded is an engine whose calls wait out a load (engineLoads).
-type loadGuarded struct{ stage.Engine }
-
-func (e loadGuarded) Forward(ctx context.Context, b *stage.Batch) (*stage.Output, error) {
-	engineLoads.RLock()
-	defer engineLoads.RUnlock()
-	return e.Engine.Forward(ctx, b)
-}
-
-func (e loadGuarded) Open(seq stage.SeqID) error {
-	engineLoads.RLock()
-	defer engineLoads.RUnlock()
-	return e.Engine.Open(seq)
-}
-
-func (e loadGuarded) Trim(seq stage.SeqID, pos int32) error {
-	engineLoads.RLock()
-	defer engineLoads.RUnlock()
-	return e.Engine.Trim(seq, pos)
-}
-
-func (e loadGuarded) Release(seq stage.SeqID) error {
-	engineLoads.RLock()
-	defer engineLoads.RUnlock()
-	return e.Engine.Release(seq)
 }
 
 // addLocalModel makes this node the holder of a model file: it is hashed,
@@ -549,9 +503,7 @@ func (m *mesh) probeDevice(mm *meshModel) {
 	if done || strings.EqualFold(m.cfg.Device, "cpu") {
 		return
 	}
-	engineLoads.Lock() // the probe may start ggml's backends
 	devs, err := ggufstage.Devices(mm.header)
-	engineLoads.Unlock()
 	if err != nil {
 		m.log.Warn("probing GPUs", zap.Error(err))
 		return
@@ -780,7 +732,7 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 	if err != nil {
 		return err
 	}
-	ls.engine, err = openEngine(ls.slice, want.Start, want.End, ggufstage.Options{
+	ls.engine, err = ggufstage.Open(ls.slice, want.Start, want.End, ggufstage.Options{
 		Threads: m.cfg.Threads, Context: mm.ref.Context, MaxSeqs: max(mm.ref.Parallel, 1),
 		BatchSize: m.cfg.BatchTokens, FlashAttention: m.cfg.FlashAttention, NoRepack: m.cfg.NoRepack,
 		WireDType: m.cfg.WireDType, Device: m.cfg.Device,
@@ -788,7 +740,7 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 	if err != nil {
 		return err
 	}
-	ls.observed = m.obs.wrapEngine(loadGuarded{ls.engine}, planModel(mm).StageMemory(want.Start, want.End))
+	ls.observed = m.obs.wrapEngine(ls.engine, planModel(mm).StageMemory(want.Start, want.End))
 	ls.server, err = pipeline.NewServer(pipeline.ServerConfig{
 		Engine: ls.observed, Dial: m.dial, ModelID: mm.ref.Name, ModelHash: mm.ref.ID,
 		OnBadPeer: func(p string, err error) { m.event("bad-peer", "peer %s sent a bad frame: %v", p, err) },

@@ -1,38 +1,35 @@
-package node
+package ggufstage
 
 import (
 	"context"
 	"sync"
 	"testing"
 
-	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/stage"
 )
 
-// TestLoadWhileForwarding: a node loads its next layer range while its
-// current engine keeps serving. Loading a ggml engine while another
+// TestOpenWhileForwarding: a mesh node loads its next layer range while
+// its current engine keeps serving. Loading a ggml engine while another
 // computes corrupted the running one (a SIGSEGV or a GGML_ASSERT within a
-// few hundred loads, every time, before engineLoads); through openEngine
-// and loadGuarded, forward passes run on through many loads and closes,
-// and give the same hidden states as on a quiet engine.
-func TestLoadWhileForwarding(t *testing.T) {
+// few hundred loads, every time, before backendMu); now forward passes run
+// on through many loads and closes, and give the same hidden states as on
+// a quiet engine.
+func TestOpenWhileForwarding(t *testing.T) {
 	dir := t.TempDir()
-	serving, err := ggufstage.Slice(modelFile, dir, 0, 2, nil)
+	serving, err := Slice(storiesPath, dir, 0, 2, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	next, err := ggufstage.Slice(modelFile, dir, 0, 3, nil)
+	next, err := Slice(storiesPath, dir, 0, 3, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts := ggufstage.Options{Threads: 1, Context: 64, MaxSeqs: 1, WireDType: stage.F32}
-	eng, err := openEngine(serving, 0, 2, opts)
+	opts := Options{Threads: 1, Context: 64, MaxSeqs: 1, WireDType: stage.F32}
+	e, err := Open(serving, 0, 2, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ls := &localStage{engine: eng}
-	defer ls.close()
-	e := loadGuarded{eng}
+	defer e.Close()
 
 	forward := func() ([]byte, error) {
 		if err := e.Open(1); err != nil {
@@ -76,12 +73,12 @@ func TestLoadWhileForwarding(t *testing.T) {
 	})
 	const loads = 150
 	for range loads {
-		other, err := openEngine(next, 0, 3, opts)
+		other, err := Open(next, 0, 3, opts)
 		if err != nil {
 			t.Error(err)
 			break
 		}
-		(&localStage{engine: other}).close()
+		other.Close()
 	}
 	close(stop)
 	wg.Wait()
@@ -90,6 +87,3 @@ func TestLoadWhileForwarding(t *testing.T) {
 		t.Error("no forward pass ran during the loads")
 	}
 }
-
-// modelFile is stories260K, as node_test.go's modelPath.
-const modelFile = "../../shared/models/stories260K.gguf"
