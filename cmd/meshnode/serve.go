@@ -46,7 +46,7 @@ func (f *nodeFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.BatchTokens, "batch", 512, "most tokens in one forward pass (prefill chunk size)")
 	fs.IntVar(&c.QueueSize, "queue", 64, "requests that may wait for a free sequence before new ones get 429")
 	fs.IntVar(&c.MaxTokensCap, "max-tokens", 4096, "upper bound on max_tokens of a request")
-	fs.BoolVar(&c.FlashAttention, "flash-attn", true, "use ggml's fused attention kernel (on: 1.4-1.8x decode with several sequences; --flash-attn=false for ~5% faster single-stream prefill)")
+	fs.BoolVar(&c.FlashAttention, "flash-attn", false, "use ggml's fused attention kernel: 1.4-1.8x decode with several sequences on the CPU, but a replay after a node failure may then differ from the uninterrupted text (see README)")
 	fs.BoolVar(&c.NoRepack, "no-repack", false, "keep quantized weights in ggml's plain layout (slower on CPU)")
 	fs.StringVar(&c.Device, "device", "auto", "where layers run: auto (a GPU if ggml has one), cpu, cuda, metal")
 	fs.DurationVar(&c.DrainTimeout, "drain-timeout", 60*time.Second, "on SIGTERM or 'meshnode leave', how long to wait for requests to finish and the mesh to take this node's layers")
