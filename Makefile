@@ -28,9 +28,12 @@ portable:
 env:
 	@echo "export CGO_ENABLED=1 CGO_CFLAGS='$(CGO_CFLAGS)' CGO_CXXFLAGS='$(CGO_CXXFLAGS)' CGO_CPPFLAGS='$(CGO_CPPFLAGS)'"
 
+STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
+
 test:
 	$(GO) vet -tags '$(TAGS)' ./...
 	test -z "$$(gofmt -l .)" || (gofmt -l .; echo "gofmt: the files above need formatting"; exit 1)
+	$(GO) run $(STATICCHECK) -tags '$(TAGS)' ./...
 	$(GO) test -tags '$(TAGS)' -count=1 -timeout 60m ./...
 	$(GO) test -race -count=1 -timeout 20m ./stage/... ./node/ ./node/pipeline/ ./node/planner/ ./node/membership/ ./node/openai/ ./node/text/ ./node/sample/ ./node/wire/ ./node/weights/ ./node/admin/ ./ggufstage/gguf/
 	$(MAKE) fuzz
@@ -48,6 +51,7 @@ fuzz:
 vet:
 	$(GO) vet -tags '$(TAGS)' ./...
 	test -z "$$(gofmt -l .)"
+	$(GO) run $(STATICCHECK) -tags '$(TAGS)' ./...
 
 proto:
 	buf generate
