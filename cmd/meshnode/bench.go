@@ -40,7 +40,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	fs.IntVar(&cfg.Threads, "threads", 0, "CPU threads; 0 = all cores")
 	fs.IntVar(&cfg.PromptTokens, "prompt", 512, "prompt tokens per sequence")
 	fs.IntVar(&cfg.DecodeTokens, "decode", 128, "decode steps")
-	fs.IntVar(&cfg.Runs, "runs", 1, "repetitions (median reported)")
+	fs.IntVar(&cfg.Runs, "runs", 1, "repetitions, medians reported; with --mesh, rounds that form every mesh in turn, so drift hits all stage counts alike")
 	fs.BoolVar(&cfg.FlashAttn, "flash-attn", false, "use the fused attention kernel in both engines")
 	fs.BoolVar(&cfg.SkipReference, "no-reference", false, "skip ollama's stock engine")
 	fs.StringVar(&cfg.Device, "device", "auto", "where both engines run: auto, cpu, cuda")

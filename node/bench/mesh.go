@@ -42,7 +42,7 @@ type MeshConfig struct {
 	Streams      []int         // concurrent streams; default 1 and 8
 	PromptTokens int           // prompt length in tokens (sent as token ids); default 64
 	DecodeTokens int           // max_tokens of every request; default 128
-	Runs         int           // repetitions of each measurement; the median is reported
+	Runs         int           // rounds, each forming every mesh once in turn; medians (of the rounds' ratios too) are reported
 	Threads      int           // --threads of every node; 0 = all cores
 	NodeArgs     []string      // extra flags for every node (e.g. --flash-attn)
 	GPUPerNode   bool          // node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES), as on a multi-GPU host
@@ -212,7 +212,6 @@ func RunMesh(ctx context.Context, cfg MeshConfig, log io.Writer) (rows []MeshRow
 		}
 		rows = append(rows, nwRows...)
 	}
-	fillRatios(rows)
 	fmt.Fprintf(log, "load average at the end: %s\n", loadAverage())
 	return rows, nil
 }
@@ -224,46 +223,81 @@ func threadsText(n int) string {
 	return fmt.Sprintf("%d threads each", n)
 }
 
-func fillRatios(rows []MeshRow) {
-	type key struct {
-		network string
-		streams int
-	}
-	ref := map[key]float64{}
-	for _, r := range rows {
-		if r.Stages == 1 {
-			ref[key{r.Network, r.Streams}] = r.DecodeTPS
-		}
-	}
-	for i, r := range rows {
-		if v := ref[key{r.Network, r.Streams}]; v > 0 {
-			rows[i].Ratio = r.DecodeTPS / v
-		}
-	}
-}
-
-// runNetwork measures every stage count on one network.
+// runNetwork measures every stage count on one network. With several runs
+// it measures in rounds, each forming every mesh once in turn, so that a
+// machine whose speed drifts over minutes hits all stage counts alike:
+// each round's ratios compare meshes measured minutes apart, not a whole
+// run apart, and the reported ratio is their median.
 func runNetwork(ctx context.Context, cfg MeshConfig, nw meshNetwork, info ggufstage.ModelInfo, tokens func(stream, run int, n int) []int32,
 	client *http.Client, workDir string, log io.Writer) ([]MeshRow, error) {
-	var rows []MeshRow
-	for _, stages := range cfg.Stages {
-		if err := ctx.Err(); err != nil {
-			return nil, err
+	var rounds [][]MeshRow
+	for round := range cfg.Runs {
+		var rows []MeshRow
+		for _, stages := range cfg.Stages {
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+			r, err := runStages(ctx, cfg, nw, stages, round, info, tokens, client, workDir, log)
+			if err != nil {
+				return nil, fmt.Errorf("%s, %d stages: %w", nw.name, stages, err)
+			}
+			rows = append(rows, r...)
 		}
-		r, err := runStages(ctx, cfg, nw, stages, info, tokens, client, workDir, log)
-		if err != nil {
-			return nil, fmt.Errorf("%s, %d stages: %w", nw.name, stages, err)
-		}
-		rows = append(rows, r...)
+		rounds = append(rounds, rows)
 	}
-	return rows, nil
+	return mergeRounds(rounds), nil
+}
+
+// mergeRounds folds rounds of measurements (each with the same rows in the
+// same order) into one row per stage and stream count: median decode rate
+// and first-token time, and as Ratio the median over rounds of the rate
+// over that round's 1-stage rate.
+func mergeRounds(rounds [][]MeshRow) []MeshRow {
+	if len(rounds) == 0 {
+		return nil
+	}
+	type key struct{ stages, streams int }
+	ref := make([]map[int]float64, len(rounds)) // round -> streams -> 1-stage rate
+	for i, rows := range rounds {
+		ref[i] = map[int]float64{}
+		for _, r := range rows {
+			if r.Stages == 1 {
+				ref[i][r.Streams] = r.DecodeTPS
+			}
+		}
+	}
+	var out []MeshRow
+	for j, first := range rounds[0] {
+		var tps, ft, ratios []float64
+		row := first
+		for i, rows := range rounds {
+			if j >= len(rows) || (key{rows[j].Stages, rows[j].Streams} != key{first.Stages, first.Streams}) {
+				continue
+			}
+			r := rows[j]
+			tps = append(tps, r.DecodeTPS)
+			ft = append(ft, r.FirstToken.Seconds())
+			if v := ref[i][r.Streams]; v > 0 {
+				ratios = append(ratios, r.DecodeTPS/v)
+			}
+			if r.Greedy != first.Greedy {
+				row.Greedy = "(differs between rounds)"
+			}
+			row.Plan, row.Tokens = r.Plan, r.Tokens
+		}
+		row.DecodeTPS = median(tps)
+		row.FirstToken = time.Duration(median(ft) * float64(time.Second))
+		row.Ratio = median(ratios)
+		out = append(out, row)
+	}
+	return out
 }
 
 // runStages forms one mesh of the given size and measures every stream
 // count on it.
-func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages int, info ggufstage.ModelInfo,
+func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages, round int, info ggufstage.ModelInfo,
 	tokens func(stream, run int, n int) []int32, client *http.Client, workDir string, log io.Writer) (rows []MeshRow, err error) {
-	logDir := filepath.Join(workDir, fmt.Sprintf("%s-%dstages", strings.ReplaceAll(nw.name, "+", "-"), stages))
+	logDir := filepath.Join(workDir, fmt.Sprintf("%s-%dstages-round%d", strings.ReplaceAll(nw.name, "+", "-"), stages, round+1))
 	if err := os.MkdirAll(logDir, 0o755); err != nil {
 		return nil, err
 	}
@@ -302,34 +336,28 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages int, 
 		return nil, fmt.Errorf("greedy check request: %w", err)
 	}
 	for _, n := range cfg.Streams {
-		var rates []float64
-		var first []float64
-		var total int
-		for run := range cfg.Runs {
-			if err := m.alive(); err != nil {
-				return nil, err
-			}
-			res, err := runStreams(ctx, client, api, nw.apiKey, model, n, cfg.DecodeTokens, func(i int) []int32 { return tokens(i, run, cfg.PromptTokens) })
-			if err != nil {
-				return nil, fmt.Errorf("%d stream(s): %w", n, err)
-			}
-			tps, err := decodeRate(res)
-			if err != nil {
-				return nil, fmt.Errorf("%d stream(s): %w", n, err)
-			}
-			total = 0
-			var ft []float64
-			for _, r := range res {
-				total += r.tokens
-				ft = append(ft, r.first.Sub(r.start).Seconds())
-			}
-			rates = append(rates, tps)
-			first = append(first, median(ft))
-			fmt.Fprintf(log, "run %d  %s  stages %d  streams %d  decode %8.2f tok/s  (%d tokens, median first token %.2f s; load average %s)\n",
-				run+1, nw.name, stages, n, tps, total, median(ft), loadAverage())
+		run := round
+		if err := m.alive(); err != nil {
+			return nil, err
 		}
-		rows = append(rows, MeshRow{Network: nw.name, Stages: stages, Streams: n, DecodeTPS: median(rates), Tokens: total,
-			FirstToken: time.Duration(median(first) * float64(time.Second)), Plan: plan, Greedy: greedy[0].text})
+		res, err := runStreams(ctx, client, api, nw.apiKey, model, n, cfg.DecodeTokens, func(i int) []int32 { return tokens(i, run, cfg.PromptTokens) })
+		if err != nil {
+			return nil, fmt.Errorf("%d stream(s): %w", n, err)
+		}
+		tps, err := decodeRate(res)
+		if err != nil {
+			return nil, fmt.Errorf("%d stream(s): %w", n, err)
+		}
+		total := 0
+		var ft []float64
+		for _, r := range res {
+			total += r.tokens
+			ft = append(ft, r.first.Sub(r.start).Seconds())
+		}
+		fmt.Fprintf(log, "round %d  %s  stages %d  streams %d  decode %8.2f tok/s  (%d tokens, median first token %.2f s; load average %s)\n",
+			run+1, nw.name, stages, n, tps, total, median(ft), loadAverage())
+		rows = append(rows, MeshRow{Network: nw.name, Stages: stages, Streams: n, DecodeTPS: tps, Tokens: total,
+			FirstToken: time.Duration(median(ft) * float64(time.Second)), Plan: plan, Greedy: greedy[0].text})
 	}
 	// The plan must not have changed under the measurement.
 	st, err := m.status(ctx)

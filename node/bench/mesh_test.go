@@ -3,6 +3,7 @@ package bench
 import (
 	"bytes"
 	"context"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -111,4 +112,45 @@ func abs(x float64) float64 {
 		return -x
 	}
 	return x
+}
+
+// TestMergeRounds: rates are medians over rounds, and each ratio is the
+// median of per-round ratios to that round's 1-stage mesh, so that drift
+// between rounds cancels out.
+func TestMergeRounds(t *testing.T) {
+	row := func(stages, streams int, tps float64, greedy string) MeshRow {
+		return MeshRow{Stages: stages, Streams: streams, DecodeTPS: tps, FirstToken: time.Duration(tps) * time.Millisecond, Greedy: greedy}
+	}
+	tests := []struct {
+		name   string
+		rounds [][]MeshRow
+		want   []MeshRow // Stages, Streams, DecodeTPS, Ratio, Greedy checked
+	}{
+		{"one round", [][]MeshRow{{row(1, 1, 40, "a"), row(2, 1, 36, "a")}},
+			[]MeshRow{{Stages: 1, Streams: 1, DecodeTPS: 40, Ratio: 1, Greedy: "a"}, {Stages: 2, Streams: 1, DecodeTPS: 36, Ratio: 0.9, Greedy: "a"}}},
+		// The machine slows down by half in round 2: the ratio of medians
+		// would say 30/30 = 1.0 or worse; per round it is 0.9 every time.
+		{"drift", [][]MeshRow{
+			{row(1, 8, 80, "a"), row(2, 8, 72, "a")},
+			{row(1, 8, 40, "a"), row(2, 8, 36, "a")},
+			{row(1, 8, 60, "a"), row(2, 8, 54, "a")},
+		}, []MeshRow{{Stages: 1, Streams: 8, DecodeTPS: 60, Ratio: 1, Greedy: "a"}, {Stages: 2, Streams: 8, DecodeTPS: 54, Ratio: 0.9, Greedy: "a"}}},
+		{"greedy differs", [][]MeshRow{{row(1, 1, 10, "a"), row(3, 1, 9, "a")}, {row(1, 1, 10, "a"), row(3, 1, 9, "b")}},
+			[]MeshRow{{Stages: 1, Streams: 1, DecodeTPS: 10, Ratio: 1, Greedy: "a"}, {Stages: 3, Streams: 1, DecodeTPS: 9, Ratio: 0.9, Greedy: "(differs between rounds)"}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := mergeRounds(tt.rounds)
+			if len(got) != len(tt.want) {
+				t.Fatalf("%d rows, want %d", len(got), len(tt.want))
+			}
+			for i, w := range tt.want {
+				g := got[i]
+				if g.Stages != w.Stages || g.Streams != w.Streams || math.Abs(g.DecodeTPS-w.DecodeTPS) > 1e-9 ||
+					math.Abs(g.Ratio-w.Ratio) > 1e-9 || g.Greedy != w.Greedy {
+					t.Errorf("row %d: got stages %d streams %d tps %g ratio %g greedy %q, want %+v", i, g.Stages, g.Streams, g.DecodeTPS, g.Ratio, g.Greedy, w)
+				}
+			}
+		})
+	}
 }
