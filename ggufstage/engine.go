@@ -97,6 +97,9 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 	if opts.KVType == ml.DTypeOther {
 		opts.KVType = ml.DTypeF16
 	}
+	if err := checkKVType(meta, opts); err != nil {
+		return nil, fmt.Errorf("loading %s: %w", path, err)
+	}
 	modelCtx, _ := meta.ArchUint("context_length")
 	if opts.Context <= 0 {
 		opts.Context = int(min(max(modelCtx, 1), 4096))
@@ -175,6 +178,30 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 		e.free = append(e.free, i)
 	}
 	return e, nil
+}
+
+// checkKVType rejects the KV cache types ggml would abort on (a C abort,
+// which no recover catches): a quantized cache needs flash attention and
+// whole 32-element blocks per head.
+func checkKVType(meta *gguf.File, opts Options) error {
+	switch opts.KVType {
+	case ml.DTypeF16, ml.DTypeF32:
+		return nil
+	case ml.DTypeQ80, ml.DTypeQ40:
+	default:
+		return fmt.Errorf("KV cache type %v is not supported (f16, f32, q8_0, q4_0)", opts.KVType)
+	}
+	if !opts.FlashAttention {
+		return fmt.Errorf("a quantized KV cache (%v) needs flash attention", opts.KVType)
+	}
+	mi, err := infoOf(meta)
+	if err != nil {
+		return err
+	}
+	if mi.HeadDim%32 != 0 {
+		return fmt.Errorf("a quantized KV cache (%v) needs a head dimension that is a multiple of 32; this model's is %d", opts.KVType, mi.HeadDim)
+	}
+	return nil
 }
 
 func readHeader(path string) (*gguf.File, error) {

@@ -7,6 +7,7 @@ package ggufstage
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -19,6 +20,8 @@ import (
 
 	"github.com/meshnode/meshnode/ggufstage/gguf"
 	"github.com/meshnode/meshnode/ggufstage/synth"
+	"github.com/meshnode/meshnode/stage"
+	"github.com/ollama/ollama/ml"
 )
 
 // ggufLayout locates the sections of a GGUF file: where the metadata ends
@@ -383,5 +386,50 @@ func TestMissingTensorOutsideRange(t *testing.T) {
 		if strings.HasSuffix(d.Name(), "-1-2.gguf") {
 			t.Errorf("a slice of the broken range was written: %s", d.Name())
 		}
+	}
+}
+
+// TestKVTypeChecked: KV cache types that would make ggml abort the process
+// (a C abort: no recover catches it) are refused with an error, and a
+// valid quantized cache runs.
+func TestKVTypeChecked(t *testing.T) {
+	qwen := writeTiny(t, "qwen3", synth.F32) // head dimension 32
+	tests := []struct {
+		name    string
+		path    string
+		kv      ml.DType
+		fa      bool
+		wantErr string
+	}{
+		{"f16", storiesPath, ml.DTypeF16, false, ""},
+		{"q8_0 without flash attention", qwen, ml.DTypeQ80, false, "needs flash attention"},
+		{"q8_0, head dimension 8", storiesPath, ml.DTypeQ80, true, "multiple of 32"},
+		{"q8_0, head dimension 32", qwen, ml.DTypeQ80, true, ""},
+		{"i32", storiesPath, ml.DTypeI32, true, "not supported"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e, err := Open(tt.path, 0, 2, Options{Threads: 1, MaxSeqs: 1, Context: 64, KVType: tt.kv, FlashAttention: tt.fa})
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("err %v, want one saying %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer e.Close()
+			if err := e.Open(1); err != nil {
+				t.Fatal(err)
+			}
+			out, err := e.Forward(context.Background(), &stage.Batch{Seqs: []stage.SeqID{1, 1}, Pos: []int32{0, 1}, Tokens: []int32{1, 2}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if out.Hidden == nil {
+				t.Fatal("no hidden states")
+			}
+		})
 	}
 }
