@@ -40,6 +40,12 @@ const (
 	// deadReclaim lets a node that died come back under the same name (its
 	// peer ID) on a new address, e.g. after a restart on a fallback port.
 	deadReclaim = 10 * time.Second
+	// reconnectFor: memberlist gossips to a dead member only for
+	// GossipToTheDeadTime (30 s), so the two sides of a longer partition
+	// would never find each other again. Like Serf, we keep asking failed
+	// members to rejoin, every reconnectEvery for reconnectFor. Members
+	// that left on purpose are not asked.
+	reconnectFor = 24 * time.Hour
 	// updateWait bounds how long UpdateMeta waits for the update to be handed
 	// to gossip.
 	updateWait = time.Second
@@ -138,6 +144,10 @@ type Membership struct {
 	evDone  bool
 	dropped uint64
 
+	// lost are members that failed (not left), by name: their last gossip
+	// address and when they failed. reconnectLoop asks them to rejoin.
+	lost map[string]lostMember
+
 	fetchMu   sync.Mutex
 	fetching  map[string]bool // queued names, to coalesce requests
 	fetchKick chan struct{}
@@ -145,6 +155,18 @@ type Membership struct {
 	wg        sync.WaitGroup
 	closeOnce sync.Once
 }
+
+type lostMember struct {
+	addr  string
+	since time.Time
+}
+
+// Variables, not constants, so that tests can shorten them.
+var (
+	reconnectEvery = 10 * time.Second // see reconnectFor
+	// gossipToTheDead is memberlist's GossipToTheDeadTime (its default).
+	gossipToTheDead = 30 * time.Second
+)
 
 // entry is what we hold about one member.
 type entry struct {
@@ -178,6 +200,7 @@ func New(cfg Config) (*Membership, error) {
 		name:      cfg.Name,
 		log:       zl,
 		members:   map[string]*entry{},
+		lost:      map[string]lostMember{},
 		events:    make(chan Event, n),
 		fetching:  map[string]bool{},
 		fetchKick: make(chan struct{}, 1),
@@ -211,6 +234,7 @@ func New(cfg Config) (*Membership, error) {
 	mc.PushPullInterval = pushPullInterval
 	mc.TCPTimeout = tcpTimeout
 	mc.DeadNodeReclaimTime = deadReclaim
+	mc.GossipToTheDeadTime = gossipToTheDead
 
 	ml, err := memberlist.Create(mc)
 	if err != nil && cfg.PortFallback && cfg.BindPort != 0 {
@@ -228,8 +252,9 @@ func New(cfg Config) (*Membership, error) {
 	m.ml = ml
 	local := ml.LocalNode()
 	m.addr, m.port = local.Address(), int(local.Port)
-	m.wg.Add(1)
+	m.wg.Add(2)
 	go m.fetchLoop(ctx)
+	go m.reconnectLoop(ctx)
 	m.log.Info("membership started", zap.String("addr", m.LocalAddr()))
 	return m, nil
 }
@@ -392,6 +417,44 @@ func (m *Membership) requestFetch(name string) {
 // fetchLoop pulls full metadata from members that announced a summary we do
 // not match. A push-pull (memberlist's Join with that one address) carries
 // the member's LocalState to our MergeRemoteState.
+// reconnectLoop asks failed members to rejoin until they do, or for
+// reconnectFor. A push-pull (memberlist's Join) with a member that is back
+// merges the two sides' views.
+func (m *Membership) reconnectLoop(ctx context.Context) {
+	defer m.wg.Done()
+	t := time.NewTicker(reconnectEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		m.mu.Lock()
+		var addrs []string
+		for name, l := range m.lost {
+			if time.Since(l.since) > reconnectFor {
+				delete(m.lost, name)
+				continue
+			}
+			addrs = append(addrs, l.addr)
+		}
+		leaving := m.leaving
+		m.mu.Unlock()
+		if leaving {
+			return
+		}
+		for _, a := range addrs {
+			if ctx.Err() != nil {
+				return
+			}
+			if _, err := m.ml.Join([]string{a}); err == nil {
+				m.log.Info("reached a failed member again", zap.String("addr", a))
+			}
+		}
+	}
+}
+
 func (m *Membership) fetchLoop(ctx context.Context) {
 	defer m.wg.Done()
 	for {
@@ -534,6 +597,11 @@ func (v *events) NotifyLeave(n *memberlist.Node) {
 	} else {
 		mem.Meta.PeerID = n.Name
 	}
+	if kind == EventFailed && n.Name != m.name {
+		m.lost[n.Name] = lostMember{addr: n.Address(), since: time.Now()}
+	} else {
+		delete(m.lost, n.Name)
+	}
 	m.mu.Unlock()
 	mem.State, mem.Addr = st, n.Address()
 	if kind == EventLeave {
@@ -559,6 +627,7 @@ func (m *Membership) noteNode(n *memberlist.Node, kind EventKind) {
 	e.known = true
 	e.m.State = StateAlive
 	e.m.Addr = n.Address()
+	delete(m.lost, n.Name)
 	fetch := false
 	switch {
 	case n.Name == m.name:

@@ -406,3 +406,53 @@ func TestConfigErrors(t *testing.T) {
 		t.Error("no secret key accepted")
 	}
 }
+
+// TestReconnectAfterLongPartition: memberlist gossips to a dead member only
+// for GossipToTheDeadTime, so after a longer partition the sides never meet
+// again on their own. The reconnect loop asks failed members to rejoin.
+// Here a member fails, stays away longer than that time, and comes back on
+// its address without joining anyone: with the loop, the survivor finds it;
+// without (an interval of an hour), nobody does.
+func TestReconnectAfterLongPartition(t *testing.T) {
+	defer func(every, dead time.Duration) { reconnectEvery, gossipToTheDead = every, dead }(reconnectEvery, gossipToTheDead)
+	gossipToTheDead = 300 * time.Millisecond
+	tests := []struct {
+		name  string
+		every time.Duration
+		heals bool
+	}{
+		{"reconnect loop", 200 * time.Millisecond, true},
+		{"no reconnect loop", time.Hour, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			reconnectEvery = tt.every
+			nodes := cluster(t, sampleMeta("peer-a"), sampleMeta("peer-b"))
+			a, b := nodes[0], nodes[1]
+			port := b.Port()
+			b.Close() // no Leave: the partition
+			waitEvent(t, a.Membership, EventFailed, "peer-b", 6*time.Second)
+			time.Sleep(gossipToTheDead + time.Second) // past memberlist's own gossip to the dead
+
+			back, err := New(Config{
+				Name: "peer-b", BindAddr: "127.0.0.1", BindPort: port, AdvertiseAddr: "127.0.0.1",
+				SecretKey: testKey, Meta: func() Meta { return sampleMeta("peer-b") },
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer back.Close()
+			deadline := time.Now().Add(4 * time.Second)
+			healed := false
+			for time.Now().Before(deadline) && !healed {
+				_, seesB := member(a.Membership, "peer-b")
+				_, seesA := member(back, "peer-a")
+				healed = seesA && seesB
+				time.Sleep(50 * time.Millisecond)
+			}
+			if healed != tt.heals {
+				t.Errorf("healed: %v, want %v", healed, tt.heals)
+			}
+		})
+	}
+}
