@@ -86,6 +86,7 @@ type link struct {
 	// closing says no more. closing marks a graceful end, so that the
 	// watcher takes the next hop's end of stream for what it is.
 	down       meshnodev1.StageService_ForwardClient
+	downCancel context.CancelFunc // ends down; drain calls it last
 	out        chan *meshnodev1.Frame
 	sent       chan struct{} // closed when the sender is done
 	watched    chan struct{} // closed when the watcher is done
@@ -152,7 +153,14 @@ func (l *link) start() error {
 	if err != nil {
 		return unreachable(err)
 	}
-	down, err := meshnodev1.NewStageServiceClient(conn).Forward(l.ctx)
+	// The stream to the next hop lives on the server's context, not on
+	// the upstream stream's: when the upstream hop dies, this link must
+	// still tell the next hop whom to blame (drain sends that frame, then
+	// ends the stream). On the upstream's context the stream died with it,
+	// and the next hop blamed this one instead.
+	dctx, dcancel := context.WithCancel(l.s.ctx)
+	l.downCancel = dcancel
+	down, err := meshnodev1.NewStageServiceClient(conn).Forward(dctx)
 	if err != nil {
 		return unreachable(err)
 	}
@@ -541,6 +549,9 @@ func (l *link) finish(err error) error {
 // in order; then the link's context is cancelled.
 func (l *link) drain(final *meshnodev1.Frame) {
 	defer l.cancel(nil)
+	if l.downCancel != nil {
+		defer l.downCancel()
+	}
 	wait := time.NewTimer(l.s.cfg.SetupTimeout)
 	defer wait.Stop()
 	if l.last {
