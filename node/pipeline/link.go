@@ -498,9 +498,12 @@ func (l *link) sendUp(f *meshnodev1.Frame) {
 
 // finish ends the link: a graceful end passes the end of stream on; a
 // failure tells the neighbours that need to know. Either way the
-// pipeline's sequences are released here.
+// pipeline's sequences are released here, first.
 func (l *link) finish(err error) error {
-	defer l.release()
+	// Slots first: draining may wait on the next hop, and a closed
+	// pipeline's slots must be free by the time its close has travelled
+	// down the route (the handler computes nothing more either way).
+	l.release()
 	if err == nil {
 		l.drain(nil)
 		return nil
