@@ -19,6 +19,31 @@ type pingServer struct {
 	wg      sync.WaitGroup
 }
 
+// relayedPing starts a ping server, puts a relay with delay d in front of
+// it and dials the relay. The connection closes with the test; the caller
+// closes the relay.
+func relayedPing(t *testing.T, d *Delay) (*pingServer, net.Listener, *Relay, net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := startPingServer(t, ln)
+	r := NewRelay()
+	addr, err := r.Forward("127.0.0.1:0", ln.Addr().String(), d)
+	if err != nil {
+		r.Close()
+		t.Fatal(err)
+	}
+	c, err := net.Dial("tcp", addr.String())
+	if err != nil {
+		r.Close()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return srv, ln, r, c
+}
+
 func startPingServer(t *testing.T, ln net.Listener) *pingServer {
 	t.Helper()
 	s := &pingServer{ln: ln, arrived: make(chan time.Time, 64), remote: make(chan net.Addr, 16)}
@@ -108,24 +133,10 @@ func TestRelayDelaysBothWays(t *testing.T) {
 		{"80ms", 80 * time.Millisecond},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			srv := startPingServer(t, ln)
-			r := NewRelay()
-			t.Cleanup(r.Close)
 			var d Delay
 			d.Set(tc.delay)
-			addr, err := r.Forward("127.0.0.1:0", ln.Addr().String(), &d)
-			if err != nil {
-				t.Fatal(err)
-			}
-			c, err := net.Dial("tcp", addr.String())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
+			srv, _, r, c := relayedPing(t, &d)
+			t.Cleanup(r.Close)
 			for i := range 3 {
 				there, back := srv.ping(t, c)
 				checkDelay(t, "ping "+string(rune('1'+i)), tc.delay, there, back)
@@ -145,23 +156,9 @@ func TestRelayDelaysBothWays(t *testing.T) {
 
 // A delay set on a live connection applies to the next chunk.
 func TestRelaySetOnLiveConnection(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := startPingServer(t, ln)
-	r := NewRelay()
-	t.Cleanup(r.Close)
 	var d Delay
-	addr, err := r.Forward("127.0.0.1:0", ln.Addr().String(), &d)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := net.Dial("tcp", addr.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	srv, _, r, c := relayedPing(t, &d)
+	t.Cleanup(r.Close)
 	for _, want := range []time.Duration{0, 60 * time.Millisecond, 0} {
 		d.Set(want)
 		there, back := srv.ping(t, c)
@@ -173,23 +170,9 @@ func TestRelaySetOnLiveConnection(t *testing.T) {
 // chunk waiting out a long delay.
 func TestRelayClose(t *testing.T) {
 	before := runtime.NumGoroutine()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := startPingServer(t, ln)
-	r := NewRelay()
 	var d Delay
 	d.Set(time.Hour)
-	addr, err := r.Forward("127.0.0.1:0", ln.Addr().String(), &d)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := net.Dial("tcp", addr.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	srv, ln, r, c := relayedPing(t, &d)
 	if _, err := c.Write([]byte{'x'}); err != nil {
 		t.Fatal(err)
 	}
