@@ -28,7 +28,7 @@ var engineOpts = ggufstage.Options{Threads: 1, MaxSeqs: 4, Context: 256}
 
 // openEngines slices the model at bounds and opens one engine per range,
 // with opts and, where given, each stage's changes to them.
-func openEngines(t *testing.T, bounds []int, opts ggufstage.Options, so ...stageOpts) []*ggufstage.Engine {
+func openEngines(t testing.TB, bounds []int, opts ggufstage.Options, so ...stageOpts) []*ggufstage.Engine {
 	t.Helper()
 	dir := t.TempDir()
 	var es []*ggufstage.Engine
@@ -160,7 +160,7 @@ func (s *testStage) badReports() []string {
 	return append([]string(nil), s.bad...)
 }
 
-func startStage(t *testing.T, e stage.Engine, o stageOpts) *testStage {
+func startStage(t testing.TB, e stage.Engine, o stageOpts) *testStage {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -221,7 +221,7 @@ type mesh struct {
 	conns  *Conns
 }
 
-func newMesh(t *testing.T, bounds []int, eo ggufstage.Options, so ...stageOpts) *mesh {
+func newMesh(t testing.TB, bounds []int, eo ggufstage.Options, so ...stageOpts) *mesh {
 	t.Helper()
 	m := &mesh{conns: NewConns(grpc.WithTransportCredentials(insecure.NewCredentials()))}
 	t.Cleanup(func() { m.conns.Close() })
@@ -237,7 +237,7 @@ func newMesh(t *testing.T, bounds []int, eo ggufstage.Options, so ...stageOpts) 
 	return m
 }
 
-func (m *mesh) pipeline(t *testing.T, cfg Config) *Pipeline {
+func (m *mesh) pipeline(t testing.TB, cfg Config) *Pipeline {
 	t.Helper()
 	cfg.Route, cfg.Dial = m.route, m.conns.Dial
 	if cfg.StepTimeout == 0 {
