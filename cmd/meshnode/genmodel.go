@@ -17,11 +17,11 @@ tokenizer in its metadata. Outputs are meaningless text; shapes, sizes and
 speed are real. For tests and benchmarks: no weights are ever downloaded.
 
 Presets: tiny (3 layers, n_embd 128), 1b (Llama 3.2 1B shape, vocab 32000),
-8b (Llama 3 8B shape).`, `  meshnode dev gen-model --preset 1b --type q4_0 --out /tmp/1b-q4_0.gguf
+8b (Llama 3 8B shape), 32b (Qwen2.5 32B shape, about 18 GB in Q4_0).`, `  meshnode dev gen-model --preset 1b --type q4_0 --out /tmp/1b-q4_0.gguf
   meshnode dev gen-model --arch qwen3 --preset tiny --type f16 --out /tmp/q3.gguf`)
 	out := fs.String("out", "", "output path (required)")
 	arch := fs.String("arch", "llama", "architecture: llama, qwen2, qwen3")
-	preset := fs.String("preset", "tiny", "shape: tiny, 1b, 8b")
+	preset := fs.String("preset", "tiny", "shape: tiny, 1b, 8b, 32b")
 	typ := fs.String("type", "f16", "weights: f32, f16, q8_0, q4_0, q4_k (Q4_K_M mix)")
 	layers := fs.Int("layers", 0, "override the preset's layer count")
 	seed := fs.Uint64("seed", 1, "random seed (same seed, same file)")
@@ -41,8 +41,10 @@ Presets: tiny (3 layers, n_embd 128), 1b (Llama 3.2 1B shape, vocab 32000),
 		spec = synth.OneB(*arch)
 	case "8b":
 		spec = synth.EightB(*arch)
+	case "32b":
+		spec = synth.ThirtyTwoB(*arch)
 	default:
-		return fmt.Errorf("--preset %q: want tiny, 1b or 8b", *preset)
+		return fmt.Errorf("--preset %q: want tiny, 1b, 8b or 32b", *preset)
 	}
 	ft, ok := map[string]synth.FileType{"f32": synth.F32, "f16": synth.F16, "q8_0": synth.Q8_0, "q4_0": synth.Q4_0, "q4_k": synth.Q4_K, "q4_k_m": synth.Q4_K}[strings.ToLower(*typ)]
 	if !ok {

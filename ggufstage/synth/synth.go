@@ -130,6 +130,17 @@ func EightB(arch string) Spec {
 	}
 }
 
+// ThirtyTwoB has the shape of Qwen2.5 32B (64 layers, n_embd 5120, 40
+// heads over 8 KV heads, FFN 27648, vocabulary 152064): a model that fills
+// most of a 24-48 GB card in Q4_0, for pipelines that must split it.
+func ThirtyTwoB(arch string) Spec {
+	return Spec{
+		Arch: arch, Layers: 64, Embd: 5120, Heads: 40, KVHeads: 8, FFN: 27648,
+		Vocab: 152064, Context: 8192, Type: Q4_K, Seed: 1,
+		Name: "synth-" + arch + "-32b",
+	}
+}
+
 // normalize fills defaults and rejects specs ggml could not run.
 func (s Spec) normalize() (Spec, archInfo, error) {
 	a, ok := archs[s.Arch]

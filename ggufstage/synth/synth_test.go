@@ -524,7 +524,7 @@ func (headerOnly) WriteTo(io.Writer) (int64, error) { return 0, nil }
 
 func TestSizes(t *testing.T) {
 	// Real llama.cpp files of these shapes, for scale: Llama 3 8B Q4_K_M is
-	// 4.92 GB, F16 16.1 GB.
+	// 4.92 GB, F16 16.1 GB; Qwen2.5 32B Q4_0 18.6 GB.
 	cases := []struct {
 		spec   Spec
 		lo, hi float64
@@ -532,6 +532,7 @@ func TestSizes(t *testing.T) {
 		{EightB("llama"), 4.6e9, 5.2e9},
 		{func() Spec { s := EightB("llama"); s.Type = F16; return s }(), 15.9e9, 16.2e9},
 		{func() Spec { s := OneB("llama"); s.Type = Q4_0; return s }(), 0.6e9, 0.75e9},
+		{func() Spec { s := ThirtyTwoB("qwen2"); s.Type = Q4_0; return s }(), 17.5e9, 19.5e9},
 	}
 	for _, c := range cases {
 		n := float64(Size(c.spec))
