@@ -20,10 +20,13 @@ ratio. Runs alternate between the engines; medians are reported.
 
 With --mesh it measures the mesh instead: for each stage count of --stages
 it starts that many meshnode processes on this machine (serve --split, then
-join), waits for a plan of exactly that many stages, and measures decode
-tok/s of --streams concurrent streaming completions through node 1's API
-(a --prompt of 64 token ids, --decode tokens, temperature 0), with the ratio
-to the 1-stage mesh. --netns-delay D also runs every node in its own
+join), waits for a plan of exactly that many stages, and measures, through
+node 1's API, prefill tok/s of --streams concurrent --prefill-token prompts
+(max_tokens 1) and decode tok/s of --streams concurrent streaming
+completions (a --prompt of 64 token ids, --decode tokens, temperature 0),
+with the decode ratio to the 1-stage mesh. From the nodes' /metrics it
+also shows where a step went: each stage's compute and the rest (hops,
+framing, scheduling). --netns-delay D also runs every node in its own
 network namespace (root and iproute2; a bridge on 10.77.1.0/24) with a
 one-way delay D on every hop between two nodes: a netem qdisc on each
 node's veth where the kernel has netem (sch_netem), else a delay relay in
@@ -50,6 +53,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	netnsDelay := fs.String("netns-delay", "", "with --mesh: also run each node in its own network namespace, each hop between nodes delayed this much (netem, else a delay relay; e.g. 1ms; 0 = none; needs root)")
 	netnsOnly := fs.Bool("netns-only", false, "with --mesh and --netns-delay: skip the loopback meshes")
 	gpuPerNode := fs.Bool("gpu-per-node", false, "with --mesh: node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES)")
+	prefill := fs.Int("prefill", 512, "with --mesh: prompt tokens per stream of the prefill measurement; -1 skips it")
 	wire := fs.String("wire-dtype", "", "with --mesh: activations between stages (f16 or f32; default the nodes')")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -65,7 +69,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	if *mesh {
 		mc := bench.MeshConfig{
 			Model: cfg.Model, Streams: cfg.Streams, DecodeTokens: cfg.DecodeTokens, Runs: cfg.Runs,
-			Threads: cfg.Threads, SkipLoopback: *netnsOnly,
+			Threads: cfg.Threads, SkipLoopback: *netnsOnly, PrefillTokens: *prefill,
 		}
 		set := map[string]bool{}
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })

@@ -37,20 +37,23 @@ import (
 // MeshConfig of a mesh benchmark.
 type MeshConfig struct {
 	Model        string
-	Binary       string        // the meshnode executable to run nodes with; default os.Executable()
-	Stages       []int         // stage (= process) counts; default 1, 2, 3
-	Streams      []int         // concurrent streams; default 1 and 8
-	PromptTokens int           // prompt length in tokens (sent as token ids); default 64
-	DecodeTokens int           // max_tokens of every request; default 128
-	Runs         int           // rounds, each forming every mesh once in turn; medians (of the rounds' ratios too) are reported
-	Threads      int           // --threads of every node; 0 = all cores
-	NodeArgs     []string      // extra flags for every node (e.g. --flash-attn)
-	GPUPerNode   bool          // node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES), as on a multi-GPU host
-	SkipLoopback bool          // measure only in network namespaces
-	Netns        bool          // also measure with every node in its own network namespace
-	NetnsDelay   time.Duration // one-way delay of every hop between two nodes (0: none); see setupNetns
-	WorkDir      string        // data dirs and logs; default a temporary dir, removed unless a run fails
-	ReadyTimeout time.Duration // how long a mesh may take to form; default 10 minutes
+	Binary       string // the meshnode executable to run nodes with; default os.Executable()
+	Stages       []int  // stage (= process) counts; default 1, 2, 3
+	Streams      []int  // concurrent streams; default 1 and 8
+	PromptTokens int    // prompt length in tokens (sent as token ids); default 64
+	// PrefillTokens is the prompt of each stream in the prefill
+	// measurement (max_tokens 1); default 512, negative skips it.
+	PrefillTokens int
+	DecodeTokens  int           // max_tokens of every request; default 128
+	Runs          int           // rounds, each forming every mesh once in turn; medians (of the rounds' ratios too) are reported
+	Threads       int           // --threads of every node; 0 = all cores
+	NodeArgs      []string      // extra flags for every node (e.g. --flash-attn)
+	GPUPerNode    bool          // node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES), as on a multi-GPU host
+	SkipLoopback  bool          // measure only in network namespaces
+	Netns         bool          // also measure with every node in its own network namespace
+	NetnsDelay    time.Duration // one-way delay of every hop between two nodes (0: none); see setupNetns
+	WorkDir       string        // data dirs and logs; default a temporary dir, removed unless a run fails
+	ReadyTimeout  time.Duration // how long a mesh may take to form; default 10 minutes
 }
 
 // MeshRow is one measurement.
@@ -59,10 +62,17 @@ type MeshRow struct {
 	Stages     int     // stages of node 1's plan
 	Streams    int     // concurrent streams
 	DecodeTPS  float64 // aggregate decode tokens per second (see decodeRate)
+	PrefillTPS float64 // prompt tokens per second of Streams prompts sent at once (see prefillRate); 0 if skipped
 	Ratio      float64 // DecodeTPS over the 1-stage row of the same network and streams; 0 if none
 	Tokens     int     // completion tokens of all streams (last run)
 	FirstToken time.Duration
 	Plan       []node.StatusStage // node 1's plan while it was measured
+	// Step is the mean forward pass through the whole pipeline as node 1's
+	// scheduler waited for it, and Compute each node's mean stage compute
+	// in those passes (from the nodes' /metrics): what is neither is hops,
+	// framing and scheduling. Zero when a node did not report them.
+	Step    time.Duration
+	Compute []time.Duration
 	// Greedy is the text of one fixed greedy request through the mesh,
 	// to check that every stage count generates the same tokens.
 	Greedy string
@@ -101,6 +111,9 @@ func (c *MeshConfig) defaults() error {
 	}
 	if c.DecodeTokens <= 0 {
 		c.DecodeTokens = 128
+	}
+	if c.PrefillTokens == 0 {
+		c.PrefillTokens = 512
 	}
 	if c.Runs <= 0 {
 		c.Runs = 1
@@ -268,7 +281,7 @@ func mergeRounds(rounds [][]MeshRow) []MeshRow {
 	}
 	var out []MeshRow
 	for j, first := range rounds[0] {
-		var tps, ft, ratios []float64
+		var tps, ft, ratios, steps, prefill []float64
 		row := first
 		for i, rows := range rounds {
 			if j >= len(rows) || (key{rows[j].Stages, rows[j].Streams} != key{first.Stages, first.Streams}) {
@@ -283,8 +296,12 @@ func mergeRounds(rounds [][]MeshRow) []MeshRow {
 			if r.Greedy != first.Greedy {
 				row.Greedy = "(differs between rounds)"
 			}
-			row.Plan, row.Tokens = r.Plan, r.Tokens
+			row.Plan, row.Tokens, row.Compute = r.Plan, r.Tokens, r.Compute
+			steps = append(steps, r.Step.Seconds())
+			prefill = append(prefill, r.PrefillTPS)
 		}
+		row.Step = time.Duration(median(steps) * float64(time.Second))
+		row.PrefillTPS = median(prefill)
 		row.DecodeTPS = median(tps)
 		row.FirstToken = time.Duration(median(ft) * float64(time.Second))
 		row.Ratio = median(ratios)
@@ -340,10 +357,20 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages, roun
 		if err := m.alive(); err != nil {
 			return nil, err
 		}
+		var prefill float64
+		if cfg.PrefillTokens > 0 {
+			res, err := runStreams(ctx, client, api, nw.apiKey, model, n, 1, func(i int) []int32 { return tokens(1000+i, run, cfg.PrefillTokens) })
+			if err != nil {
+				return nil, fmt.Errorf("%d stream(s), prefill: %w", n, err)
+			}
+			prefill = prefillRate(res, cfg.PrefillTokens)
+		}
+		before := m.timings(ctx)
 		res, err := runStreams(ctx, client, api, nw.apiKey, model, n, cfg.DecodeTokens, func(i int) []int32 { return tokens(i, run, cfg.PromptTokens) })
 		if err != nil {
 			return nil, fmt.Errorf("%d stream(s): %w", n, err)
 		}
+		step, compute := breakdown(before, m.timings(ctx))
 		tps, err := decodeRate(res)
 		if err != nil {
 			return nil, fmt.Errorf("%d stream(s): %w", n, err)
@@ -354,10 +381,11 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages, roun
 			total += r.tokens
 			ft = append(ft, r.first.Sub(r.start).Seconds())
 		}
-		fmt.Fprintf(log, "round %d  %s  stages %d  streams %d  decode %8.2f tok/s  (%d tokens, median first token %.2f s; load average %s)\n",
-			run+1, nw.name, stages, n, tps, total, median(ft), loadAverage())
+		fmt.Fprintf(log, "round %d  %s  stages %d  streams %d  prefill %8.1f tok/s  decode %8.2f tok/s  (%d tokens, median first token %.2f s; load average %s)\n",
+			run+1, nw.name, stages, n, prefill, tps, total, median(ft), loadAverage())
 		rows = append(rows, MeshRow{Network: nw.name, Stages: stages, Streams: n, DecodeTPS: tps, Tokens: total,
-			FirstToken: time.Duration(median(ft) * float64(time.Second)), Plan: plan, Greedy: greedy[0].text})
+			FirstToken: time.Duration(median(ft) * float64(time.Second)), Plan: plan, Greedy: greedy[0].text,
+			Step: step, Compute: compute, PrefillTPS: prefill})
 	}
 	// The plan must not have changed under the measurement.
 	st, err := m.status(ctx)
@@ -378,6 +406,105 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages, roun
 		}
 	}
 	return rows, nil
+}
+
+func millis(d time.Duration) string {
+	if d <= 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.3f", d.Seconds()*1e3)
+}
+
+// stepText says where a step went: each stage's compute, then the rest.
+func stepText(step time.Duration, compute []time.Duration) string {
+	if step <= 0 || len(compute) == 0 {
+		return "-"
+	}
+	parts := make([]string, len(compute))
+	rest := step
+	for i, c := range compute {
+		parts[i] = millis(c)
+		rest -= c
+	}
+	return fmt.Sprintf("%s, rest %.3f", strings.Join(parts, " + "), rest.Seconds()*1e3)
+}
+
+// sums is a node's histogram sums and counts by metric name, labels
+// dropped: a node runs one stage.
+type sums map[string][2]float64
+
+// timings reads every node's step and stage-compute histograms; a node
+// that does not answer gives an empty entry.
+func (m *meshRun) timings(ctx context.Context) []sums {
+	out := make([]sums, len(m.procs))
+	for i, p := range m.procs {
+		out[i] = sums{}
+		resp, err := m.get(ctx, p.url+"/metrics")
+		if err != nil {
+			continue
+		}
+		if resp.StatusCode == http.StatusOK {
+			out[i] = parseSums(resp.Body)
+		}
+		resp.Body.Close()
+	}
+	return out
+}
+
+// parseSums reads the _sum and _count lines of the pipeline-step and
+// stage-compute histograms from the Prometheus text format.
+func parseSums(r io.Reader) sums {
+	s := sums{}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		for _, name := range []string{"meshnode_pipeline_step_seconds", "meshnode_stage_compute_seconds"} {
+			rest, ok := strings.CutPrefix(line, name)
+			if !ok {
+				continue
+			}
+			idx := 0
+			if r2, ok := strings.CutPrefix(rest, "_sum"); ok {
+				rest = r2
+			} else if r2, ok := strings.CutPrefix(rest, "_count"); ok {
+				rest, idx = r2, 1
+			} else {
+				continue
+			}
+			if strings.HasPrefix(rest, "{") {
+				_, rest, _ = strings.Cut(rest, "} ")
+			}
+			v, err := strconv.ParseFloat(strings.TrimSpace(rest), 64)
+			if err != nil {
+				continue
+			}
+			e := s[name]
+			e[idx] += v
+			s[name] = e
+		}
+	}
+	return s
+}
+
+// breakdown turns two readings into node 1's mean step and every node's
+// mean stage compute over the passes between them.
+func breakdown(before, after []sums) (step time.Duration, compute []time.Duration) {
+	mean := func(i int, name string) time.Duration {
+		if i >= len(before) || i >= len(after) {
+			return 0
+		}
+		a, b := after[i][name], before[i][name]
+		if n := a[1] - b[1]; n > 0 {
+			return time.Duration((a[0] - b[0]) / n * float64(time.Second))
+		}
+		return 0
+	}
+	step = mean(0, "meshnode_pipeline_step_seconds")
+	for i := range after {
+		compute = append(compute, mean(i, "meshnode_stage_compute_seconds"))
+	}
+	return step, compute
 }
 
 func planText(p []node.StatusStage) string {
@@ -467,7 +594,7 @@ func (m *meshRun) start(ctx context.Context, stages int, info ggufstage.ModelInf
 	}
 	args = append([]string{"serve", "--split", "--model", cfg.Model,
 		"--parallel", strconv.Itoa(slices.Max(cfg.Streams)),
-		"--ctx", strconv.Itoa(cfg.PromptTokens + cfg.DecodeTokens + 16)}, args...)
+		"--ctx", strconv.Itoa(max(cfg.PromptTokens, cfg.PrefillTokens) + cfg.DecodeTokens + 16)}, args...)
 	if err := m.launch(1, args); err != nil {
 		return err
 	}
@@ -934,6 +1061,25 @@ func runStream(ctx context.Context, client *http.Client, url, key string, body [
 // stop string. The rate is those tokens summed over the streams, divided
 // by T1 - T0. For one stream this is (tokens after the first) / (time from
 // the first token to the last).
+// prefillRate is the prompt tokens of every stream over the time from the
+// first request sent to the last first token: the streams' prompts are
+// processed together, as a server batches them.
+func prefillRate(res []streamResult, promptTokens int) float64 {
+	var t0, t1 time.Time
+	for _, r := range res {
+		if t0.IsZero() || r.start.Before(t0) {
+			t0 = r.start
+		}
+		if r.first.After(t1) {
+			t1 = r.first
+		}
+	}
+	if span := t1.Sub(t0).Seconds(); span > 0 {
+		return float64(len(res)*promptTokens) / span
+	}
+	return 0
+}
+
 func decodeRate(res []streamResult) (float64, error) {
 	var t0, t1 time.Time
 	for _, r := range res {
@@ -978,14 +1124,16 @@ func loadAverage() string {
 
 // PrintMesh writes the mesh table.
 func PrintMesh(w io.Writer, rows []MeshRow) {
-	fmt.Fprintf(w, "\n%-14s %6s %-18s %7s %13s %10s %12s\n", "network", "stages", "layers", "streams", "decode tok/s", "×1-stage", "first tok s")
+	fmt.Fprintf(w, "\n%-14s %6s %-18s %7s %14s %13s %10s %12s %9s  %s\n", "network", "stages", "layers", "streams", "prefill tok/s", "decode tok/s", "×1-stage", "first tok s", "step ms", "stage compute ms, the rest")
 	for _, r := range rows {
 		ratio := ""
 		if r.Ratio > 0 {
 			ratio = fmt.Sprintf("%.2f", r.Ratio)
 		}
-		fmt.Fprintf(w, "%-14s %6d %-18s %7d %13.2f %10s %12.2f\n", r.Network, r.Stages, planLayers(r.Plan), r.Streams, r.DecodeTPS, ratio, r.FirstToken.Seconds())
+		fmt.Fprintf(w, "%-14s %6d %-18s %7d %14.1f %13.2f %10s %12.2f %9s  %s\n", r.Network, r.Stages, planLayers(r.Plan), r.Streams, r.PrefillTPS, r.DecodeTPS, ratio, r.FirstToken.Seconds(),
+			millis(r.Step), stepText(r.Step, r.Compute))
 	}
+	fmt.Fprintln(w, "(step: one forward pass through every stage as node 1 waits for it; the rest: hops, framing and scheduling, which overlap with compute when lanes pipeline)")
 	// Greedy output must not depend on how the model is split.
 	ref := map[string]string{}
 	for _, r := range rows {

@@ -3,6 +3,7 @@ package bench
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"math"
 	"os"
 	"os/exec"
@@ -152,5 +153,71 @@ func TestMergeRounds(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func TestStepBreakdown(t *testing.T) {
+	scrape := func(step, stepN, compute, computeN float64) string {
+		return fmt.Sprintf(`# HELP meshnode_pipeline_step_seconds Forward passes.
+# TYPE meshnode_pipeline_step_seconds histogram
+meshnode_pipeline_step_seconds_bucket{le="0.0002"} 0
+meshnode_pipeline_step_seconds_sum %g
+meshnode_pipeline_step_seconds_count %g
+meshnode_stage_compute_seconds_bucket{stage="0-2",le="+Inf"} 9
+meshnode_stage_compute_seconds_sum{stage="0-2"} %g
+meshnode_stage_compute_seconds_count{stage="0-2"} %g
+meshnode_stage_tokens_total{stage="0-2",kind="input"} 12
+`, step, stepN, compute, computeN)
+	}
+	tests := []struct {
+		name          string
+		before, after []string
+		step          time.Duration
+		compute       []time.Duration
+	}{
+		{
+			name:    "two nodes",
+			before:  []string{scrape(1, 10, 0.5, 10), scrape(0, 0, 0.2, 10)},
+			after:   []string{scrape(1.5, 110, 0.6, 110), scrape(0, 0, 0.4, 110)},
+			step:    5 * time.Millisecond,
+			compute: []time.Duration{time.Millisecond, 2 * time.Millisecond},
+		},
+		{
+			name:    "no passes between the readings",
+			before:  []string{scrape(1, 10, 0.5, 10)},
+			after:   []string{scrape(1, 10, 0.5, 10)},
+			compute: []time.Duration{0},
+		},
+		{
+			name:    "a node that did not answer",
+			before:  []string{scrape(1, 10, 0.5, 10), ""},
+			after:   []string{scrape(2, 20, 0.6, 20), ""},
+			step:    100 * time.Millisecond,
+			compute: []time.Duration{10 * time.Millisecond, 0},
+		},
+	}
+	read := func(texts []string) []sums {
+		var out []sums
+		for _, s := range texts {
+			out = append(out, parseSums(strings.NewReader(s)))
+		}
+		return out
+	}
+	near := func(a, b time.Duration) bool { return (a - b).Abs() < time.Microsecond }
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			step, compute := breakdown(read(tc.before), read(tc.after))
+			if !near(step, tc.step) || len(compute) != len(tc.compute) {
+				t.Fatalf("step %v, compute %v; want %v, %v", step, compute, tc.step, tc.compute)
+			}
+			for i := range compute {
+				if !near(compute[i], tc.compute[i]) {
+					t.Fatalf("compute %v, want %v", compute, tc.compute)
+				}
+			}
+		})
+	}
+	if got := stepText(5*time.Millisecond, []time.Duration{time.Millisecond, 2 * time.Millisecond}); got != "1.000 + 2.000, rest 2.000" {
+		t.Fatalf("stepText = %q", got)
 	}
 }
