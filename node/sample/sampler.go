@@ -73,6 +73,12 @@ func (s *Sampler) candidates(logits []float32, history []int32) ([]cand, int32) 
 	if n == 0 {
 		return nil, -1
 	}
+	if !(s.p.Temperature > 0) && !s.penalizes(history) {
+		// Greedy with nothing to change: no copy, one pass.
+		if top, ok := argmaxFinite(logits); ok {
+			return nil, top
+		}
+	}
 	if cap(s.logits) < n {
 		s.logits = make([]float32, n)
 		s.cands = make([]cand, 0, n)
@@ -284,6 +290,12 @@ func (s *Sampler) draw(cs []cand) int32 {
 	return last // u rounded up to total
 }
 
+// penalizes says whether penalize would change any logit.
+func (s *Sampler) penalizes(history []int32) bool {
+	rp := s.p.RepeatPenalty
+	return len(history) > 0 && ((rp > 0 && rp != 1) || s.p.FrequencyPenalty != 0 || s.p.PresencePenalty != 0)
+}
+
 // penalize applies the repetition, frequency and presence penalties for the
 // tokens in the window.
 func (s *Sampler) penalize(l []float32, history []int32) {
@@ -337,6 +349,54 @@ func argmax(l []float32) int32 {
 		}
 	}
 	return int32(best)
+}
+
+// argmaxFinite is argmax over sanitized logits without writing them: NaN
+// never wins, ties go to the lowest index. Four lanes, each keeping its
+// first maximum, break the compare chain; merging them by value, then by
+// index, gives the first maximum overall. It gives up (false) when the
+// maximum is +Inf, which sanitize would tie with MaxFloat32.
+func argmaxFinite(l []float32) (int32, bool) {
+	ninf := float32(math.Inf(-1))
+	var best [4]float32
+	var at [4]int
+	for j := range best {
+		best[j], at[j] = ninf, -1
+	}
+	i := 0
+	for ; i+4 <= len(l); i += 4 {
+		x := l[i : i+4 : i+4]
+		if x[0] > best[0] {
+			best[0], at[0] = x[0], i
+		}
+		if x[1] > best[1] {
+			best[1], at[1] = x[1], i+1
+		}
+		if x[2] > best[2] {
+			best[2], at[2] = x[2], i+2
+		}
+		if x[3] > best[3] {
+			best[3], at[3] = x[3], i+3
+		}
+	}
+	for ; i < len(l); i++ {
+		if l[i] > best[0] {
+			best[0], at[0] = l[i], i
+		}
+	}
+	top, v := -1, ninf
+	for j := range best {
+		if at[j] >= 0 && (best[j] > v || (best[j] == v && at[j] < top)) {
+			top, v = at[j], best[j]
+		}
+	}
+	if top < 0 {
+		return 0, true // every logit NaN or -Inf: all sanitize to -Inf, the first wins
+	}
+	if math.IsInf(float64(v), 1) {
+		return 0, false
+	}
+	return int32(top), true
 }
 
 // better orders candidates: higher logit first, then lower id, so that the

@@ -507,3 +507,37 @@ func BenchmarkSample(b *testing.B) {
 		}
 	}
 }
+
+// TestArgmaxFiniteMatchesSanitized checks the one-pass greedy path against
+// sanitizing a copy and taking argmax, on vectors of every length up to 40
+// (every lane and tail) with ties, NaN and infinities sprinkled in.
+func TestArgmaxFiniteMatchesSanitized(t *testing.T) {
+	r := rand.New(rand.NewPCG(4, 2))
+	specials := []float32{nan, inf, ninf, math.MaxFloat32, 3, 3}
+	for n := 1; n <= 40; n++ {
+		for trial := range 200 {
+			l := make([]float32, n)
+			for i := range l {
+				l[i] = float32(r.IntN(7)) // small integers: many ties
+				if r.IntN(8) == 0 {
+					l[i] = specials[r.IntN(len(specials))]
+				}
+			}
+			clean := make([]float32, n)
+			for i, x := range l {
+				clean[i] = sanitize(x)
+			}
+			want := argmax(clean)
+			got, ok := argmaxFinite(l)
+			if !ok {
+				if !slices.Contains(l, inf) {
+					t.Fatalf("n=%d trial %d: gave up without +Inf in %v", n, trial, l)
+				}
+				continue
+			}
+			if got != want {
+				t.Fatalf("n=%d trial %d: argmaxFinite = %d, sanitized argmax = %d, logits %v", n, trial, got, want, l)
+			}
+		}
+	}
+}
