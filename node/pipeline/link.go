@@ -444,14 +444,16 @@ func (l *link) sample(step uint64, b *stage.Batch, out *stage.Output) error {
 		Tokens: make([]int32, len(b.Outputs)),
 	}
 	for i, row := range b.Outputs {
-		q := l.seqs[b.Seqs[row]]
-		// The history up to and including the row, as the origin would
-		// have it when sampling this token.
-		h := q.history[:min(len(q.history), int(b.Pos[row])+1)]
 		res.Seqs[i] = b.Seqs[row]
 		res.Pos[i] = b.Pos[row] + 1
-		res.Tokens[i] = q.sampler.Sample(out.LogitsRow(i, vocab), h)
 	}
+	sample.Rows(res.Seqs, vocab, func(i int) {
+		q := l.seqs[res.Seqs[i]]
+		// The history up to and including the row, as the origin would
+		// have it when sampling this token.
+		h := q.history[:min(len(q.history), int(res.Pos[i]))]
+		res.Tokens[i] = q.sampler.Sample(out.LogitsRow(i, vocab), h)
+	})
 	if l.st.ReturnLogits && len(b.Outputs) > 0 {
 		f, err := wire.EncodeLogits(step, len(b.Outputs), vocab, out.Logits)
 		if err != nil {

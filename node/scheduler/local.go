@@ -44,14 +44,20 @@ func (l *local) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
 		return nil, fmt.Errorf("engine returned %d logits for %d rows", len(out.Logits), len(b.Outputs))
 	}
 	toks := make([]int32, len(b.Outputs))
+	seqs := make([]*localSeq, len(b.Outputs))
+	ids := make([]stage.SeqID, len(b.Outputs))
 	for i, row := range b.Outputs {
 		q, ok := l.seqs[b.Seqs[row]]
 		if !ok {
 			return nil, fmt.Errorf("%w: %d", stage.ErrUnknownSeq, b.Seqs[row])
 		}
+		seqs[i], ids[i] = q, b.Seqs[row]
+	}
+	sample.Rows(ids, vocab, func(i int) {
+		q := seqs[i]
 		toks[i] = q.sampler.Sample(out.Logits[i*vocab:(i+1)*vocab], q.history)
 		q.history = append(q.history, toks[i])
-	}
+	})
 	return toks, nil
 }
 
