@@ -53,6 +53,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	netnsDelay := fs.String("netns-delay", "", "with --mesh: also run each node in its own network namespace, each hop between nodes delayed this much (netem, else a delay relay; e.g. 1ms; 0 = none; needs root)")
 	netnsOnly := fs.Bool("netns-only", false, "with --mesh and --netns-delay: skip the loopback meshes")
 	gpuPerNode := fs.Bool("gpu-per-node", false, "with --mesh: node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES)")
+	profileDir := fs.String("profile-dir", "", "with --mesh: after measuring, save a CPU profile of every node (go tool pprof) decoding at the first and last --streams count into this folder")
 	prefill := fs.Int("prefill", 512, "with --mesh: prompt tokens per stream of the prefill measurement; -1 skips it")
 	wire := fs.String("wire-dtype", "", "with --mesh: activations between stages (f16 or f32; default the nodes')")
 	if err := parse(fs, args); err != nil {
@@ -70,6 +71,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		mc := bench.MeshConfig{
 			Model: cfg.Model, Streams: cfg.Streams, DecodeTokens: cfg.DecodeTokens, Runs: cfg.Runs,
 			Threads: cfg.Threads, SkipLoopback: *netnsOnly, PrefillTokens: *prefill,
+			ProfileDir: *profileDir,
 		}
 		set := map[string]bool{}
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })

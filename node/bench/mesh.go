@@ -41,6 +41,10 @@ type MeshConfig struct {
 	Stages       []int  // stage (= process) counts; default 1, 2, 3
 	Streams      []int  // concurrent streams; default 1 and 8
 	PromptTokens int    // prompt length in tokens (sent as token ids); default 64
+	// ProfileDir, when set, receives a CPU profile of every node (Go's
+	// pprof format) taken while it decodes at the first and the last
+	// stream count, after the measurements, which it does not disturb.
+	ProfileDir string
 	// PrefillTokens is the prompt of each stream in the prefill
 	// measurement (max_tokens 1); default 512, negative skips it.
 	PrefillTokens int
@@ -386,6 +390,17 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages, roun
 		rows = append(rows, MeshRow{Network: nw.name, Stages: stages, Streams: n, DecodeTPS: tps, Tokens: total,
 			FirstToken: time.Duration(median(ft) * float64(time.Second)), Plan: plan, Greedy: greedy[0].text,
 			Step: step, Compute: compute, PrefillTPS: prefill})
+	}
+	if cfg.ProfileDir != "" {
+		counts := []int{cfg.Streams[0]}
+		if last := cfg.Streams[len(cfg.Streams)-1]; last != counts[0] {
+			counts = append(counts, last)
+		}
+		for _, n := range counts {
+			if err := m.profile(ctx, api, model, n, tokens, round, stages); err != nil {
+				return nil, fmt.Errorf("profiling %d stream(s): %w", n, err)
+			}
+		}
 	}
 	// The plan must not have changed under the measurement.
 	st, err := m.status(ctx)
@@ -771,6 +786,69 @@ func (c cancelOnClose) Close() error {
 	err := c.ReadCloser.Close()
 	c.cancel()
 	return err
+}
+
+// profileSeconds is how long each node's CPU profile runs.
+const profileSeconds = 4
+
+// profile decodes n streams, over and over, while every node takes a CPU
+// profile, and writes the profiles to the profile dir.
+func (m *meshRun) profile(ctx context.Context, api, model string, n int, tokens func(stream, run, n int) []int32, round, stages int) error {
+	if err := os.MkdirAll(m.cfg.ProfileDir, 0o755); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errs := make([]error, len(m.procs))
+	var wg sync.WaitGroup
+	for i, p := range m.procs {
+		name := fmt.Sprintf("%s-%dstages-%dstreams-node%d.pprof", strings.ReplaceAll(m.nw.name, "+", "-"), stages, n, i+1)
+		wg.Go(func() {
+			errs[i] = m.fetch(ctx, fmt.Sprintf("%s/debug/pprof/profile?seconds=%d", p.url, profileSeconds), filepath.Join(m.cfg.ProfileDir, name))
+		})
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	for run := 0; ; run++ {
+		select {
+		case <-done:
+			return errors.Join(errs...)
+		default:
+		}
+		if _, err := runStreams(ctx, m.client, api, m.nw.apiKey, model, n, m.cfg.DecodeTokens, func(i int) []int32 { return tokens(2000+i, round*1000+run, m.cfg.PromptTokens) }); err != nil {
+			cancel()
+			<-done
+			return err
+		}
+	}
+}
+
+// fetch saves what a GET of url returns into path.
+func (m *meshRun) fetch(ctx context.Context, url, path string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	if m.nw.apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+m.nw.apiKey)
+	}
+	resp, err := m.client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return fmt.Errorf("reading %s: %w", url, err)
+	}
+	return f.Close()
 }
 
 // status is node 1's /api/status.
