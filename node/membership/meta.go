@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"slices"
 )
 
 // Node states a node announces in Meta.State.
@@ -13,6 +14,33 @@ const (
 	NodeReady    = "ready"
 	NodeDraining = "draining"
 )
+
+// Engine families, as models need them and nodes offer them.
+const (
+	EngineGGML = "ggml" // GGUF files; every node runs it
+	EngineMLX  = "mlx"  // safetensors directories; Apple Silicon with MLX
+)
+
+// NeedsEngine is the engine family the model needs; a ref without one
+// (from a node that predates the field) is a GGUF's.
+func (r ModelRef) NeedsEngine() string {
+	if r.Engine == "" {
+		return EngineGGML
+	}
+	return r.Engine
+}
+
+// Offers reports whether the node can run engine: one of its Engines, or
+// for a node that does not list them, its Engine (ggml when unset).
+func (m Meta) Offers(engine string) bool {
+	if len(m.Engines) > 0 {
+		return slices.Contains(m.Engines, engine)
+	}
+	if m.Engine == "" {
+		return engine == EngineGGML
+	}
+	return m.Engine == engine
+}
 
 // ModelRef is a model a node knows about.
 type ModelRef struct {
@@ -27,6 +55,9 @@ type ModelRef struct {
 	// Source is where nodes without the file fetch it from when no peer
 	// holds it, e.g. hf://ORG/REPO/FILE.gguf.
 	Source string
+	// Engine is the engine family the model needs: "" or "ggml" for a GGUF
+	// file, "mlx" for a safetensors directory (ID is then its manifest's).
+	Engine string
 }
 
 // Serve is a slice of a model a node serves: layers [Start, End).
@@ -41,7 +72,12 @@ type Meta struct {
 	Name   string // human name (hostname)
 	Addrs  []string
 	HTTP   string
+	// Engine is the engine this node's layers run on now ("ggml", "mlx").
 	Engine string
+	// Engines lists the engines the node can run, which the planner
+	// matches against a model's; empty (a node from before it was
+	// announced) means Engine alone.
+	Engines []string
 	// Backend is the compute backend (cpu, metal, cuda, …).
 	Backend  string
 	MemTotal uint64
@@ -84,6 +120,7 @@ type wireModel struct {
 	C int    `json:"c,omitempty"`
 	P int    `json:"p,omitempty"`
 	U string `json:"u,omitempty"`
+	E string `json:"e,omitempty"`
 }
 
 type wireServe struct {
@@ -99,6 +136,7 @@ type cold struct {
 	H  string      `json:"h,omitempty"`
 	E  string      `json:"e,omitempty"`
 	B  string      `json:"b,omitempty"`
+	ES []string    `json:"es,omitempty"`
 	M  []wireModel `json:"m,omitempty"`
 	SV []wireServe `json:"sv,omitempty"`
 	PN []wireServe `json:"pn,omitempty"`
@@ -135,9 +173,9 @@ type wireSummary struct {
 const maxStateStr = 32
 
 func toCold(m Meta) cold {
-	c := cold{N: m.Name, A: m.Addrs, H: m.HTTP, E: m.Engine, B: m.Backend}
+	c := cold{N: m.Name, A: m.Addrs, H: m.HTTP, E: m.Engine, B: m.Backend, ES: m.Engines}
 	for _, x := range m.Models {
-		c.M = append(c.M, wireModel{I: x.ID, N: x.Name, F: x.HasFile, S: x.Split, C: x.Context, P: x.Parallel, U: x.Source})
+		c.M = append(c.M, wireModel{I: x.ID, N: x.Name, F: x.HasFile, S: x.Split, C: x.Context, P: x.Parallel, U: x.Source, E: x.Engine})
 	}
 	for _, s := range m.Serving {
 		c.SV = append(c.SV, wireServe{M: s.Model, S: s.Start, E: s.End})
@@ -159,10 +197,10 @@ func toHotBye(m Meta, bye bool) hot {
 }
 
 func (c cold) apply(m *Meta) {
-	m.Name, m.Addrs, m.HTTP, m.Engine, m.Backend = c.N, c.A, c.H, c.E, c.B
+	m.Name, m.Addrs, m.HTTP, m.Engine, m.Backend, m.Engines = c.N, c.A, c.H, c.E, c.B, c.ES
 	m.Models, m.Serving, m.Pins = nil, nil, nil
 	for _, x := range c.M {
-		m.Models = append(m.Models, ModelRef{ID: x.I, Name: x.N, HasFile: x.F, Split: x.S, Context: x.C, Parallel: x.P, Source: x.U})
+		m.Models = append(m.Models, ModelRef{ID: x.I, Name: x.N, HasFile: x.F, Split: x.S, Context: x.C, Parallel: x.P, Source: x.U, Engine: x.E})
 	}
 	for _, s := range c.SV {
 		m.Serving = append(m.Serving, Serve{Model: s.M, Start: s.S, End: s.E})
