@@ -42,6 +42,21 @@ var ErrLibrary = mlx.ErrLibrary
 // engines a node offers. Loading libmlxc can still fail; Open says why.
 func Available() bool { return mlx.Available() }
 
+// Check reports whether the MLX engine can run here: nil, ErrUnavailable
+// (no binding in this binary), or ErrLibrary (libmlxc cannot be loaded). A
+// node asks it before it offers the engine, so that the planner never gives
+// layers to a node that would fail to load them.
+func Check() error {
+	if !Available() {
+		return ErrUnavailable
+	}
+	be, err := mlx.New()
+	if err != nil {
+		return err
+	}
+	return be.Close()
+}
+
 // Options configure an engine.
 type Options struct {
 	// Engine picks the backend: "mlx" (the default) or "reference".

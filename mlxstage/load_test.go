@@ -217,11 +217,14 @@ func TestMLXUnavailableHere(t *testing.T) {
 	if Available() {
 		t.Skip("built with the MLX binding")
 	}
+	if err := Check(); !errors.Is(err, ErrUnavailable) {
+		t.Errorf("Check() = %v, want ErrUnavailable", err)
+	}
 	_, err := Open(storiesHF, 0, 5, Options{})
 	if !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("default engine off Apple Silicon: %v", err)
 	}
-	for _, want := range []string{"MLX is unavailable", "-tags mlx", "GGUF with the ggml engine"} {
+	for _, want := range []string{"MLX is unavailable on this machine", "Apple Silicon", "-tags mlx", "use a GGUF of the model", "ggml engine"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not say %q", err, want)
 		}

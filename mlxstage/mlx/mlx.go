@@ -27,7 +27,7 @@ package mlx
 import "errors"
 
 // ErrUnavailable is returned by New where MLX cannot be used.
-var ErrUnavailable = errors.New("MLX is unavailable on this platform: build on Apple Silicon with -tags mlx, or use a GGUF with the ggml engine")
+var ErrUnavailable = errors.New("MLX is unavailable on this machine (it needs Apple Silicon and a build with -tags mlx): use a GGUF of the model, which the ggml engine runs, instead")
 
 // ErrLibrary is returned by New when this binary has the binding but
 // libmlxc cannot be loaded.
