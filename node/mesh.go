@@ -1,7 +1,11 @@
 package node
 
 import (
+	"bytes"
+	"cmp"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -26,6 +30,9 @@ import (
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/ggufstage/gguf"
+	"github.com/meshnode/meshnode/mlxstage"
+	"github.com/meshnode/meshnode/mlxstage/ops"
+	"github.com/meshnode/meshnode/mlxstage/safetensors"
 	"github.com/meshnode/meshnode/node/admin"
 	"github.com/meshnode/meshnode/node/host"
 	"github.com/meshnode/meshnode/node/membership"
@@ -78,20 +85,55 @@ type mesh struct {
 
 	obs     *observer // status and metrics
 	planErr error     // why the last placement failed
+
+	// mlxDevice is where this node runs MLX stages ("metal", or
+	// "emulated" under the test hook); "" when it cannot run them.
+	mlxDevice string
 }
 
 // meshModel is the model the mesh serves.
 type meshModel struct {
 	ref    membership.ModelRef
-	info   ggufstage.ModelInfo
-	path   string // the full file, when this node holds it
-	header string // a GGUF of the model's metadata alone (tokenizer)
+	info   modelInfo
+	path   string   // the full file (GGUF) or directory (safetensors), when this node holds it
+	header string   // ggml: a GGUF of the model's metadata alone (tokenizer)
+	st     *stModel // mlx: the safetensors model's files; nil for a GGUF
+}
+
+// stModel is a safetensors model, which the mlx engine runs.
+type stModel struct {
+	// files opens the model's files: the directory on the node that holds
+	// it; elsewhere the small files copied (hash-checked) into the data
+	// directory, and the shards read by range from peers with ctx.
+	files func(ctx context.Context) safetensors.Opener
+}
+
+// modelInfo is what the mesh needs to know of a model, whichever engine
+// runs it: its shape, and its bytes as the planner places them.
+type modelInfo struct {
+	Arch                string
+	Layers, Embd, Vocab int
+	perLayer            []uint64 // weight bytes of each block
+	embed, head, kv     uint64   // embedding; output norm and head; K+V per token per layer
+}
+
+func ggufInfo(mi ggufstage.ModelInfo) modelInfo {
+	per, embed, head, kv := mi.Sizes()
+	return modelInfo{Arch: mi.Arch, Layers: mi.Layers, Embd: mi.Embd, Vocab: mi.Vocab,
+		perLayer: per, embed: embed, head: head, kv: kv}
+}
+
+func mlxInfo(mi mlxstage.ModelInfo) modelInfo {
+	per, embed, head, kv := mi.Sizes()
+	c := mi.Config
+	return modelInfo{Arch: c.Arch, Layers: c.Layers, Embd: c.Hidden, Vocab: c.Vocab,
+		perLayer: per, embed: embed, head: head, kv: kv}
 }
 
 // localStage is the layer range this node serves.
 type localStage struct {
 	start, end int
-	engine     *ggufstage.Engine
+	engine     stage.Engine
 	server     *pipeline.Server
 	slice      string
 	fetched    uint64          // bytes fetched from peers for the slice
@@ -152,7 +194,9 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 	if gossipPort < 0 {
 		gossipPort = 0
 	}
-	m.meta = membership.Meta{Engine: "ggml", Backend: "cpu", MemTotal: totalMemory(), MemFree: m.budget, Speed: m.speed, State: membership.NodeLoading}
+	m.mlxDevice = cfg.mlxDevice()
+	m.meta = membership.Meta{Engine: membership.EngineGGML, Engines: m.engines(), Backend: "cpu",
+		MemTotal: totalMemory(), MemFree: m.budget, Speed: m.speed, State: membership.NodeLoading}
 	if name, err := os.Hostname(); err == nil {
 		m.meta.Name = name
 	}
@@ -287,9 +331,38 @@ func (l *localStage) close() {
 	}
 }
 
-// addLocalModel makes this node the holder of a model file: it is hashed,
-// indexed for peers, and announced.
+// engines lists the engine families this node can run, for the planner:
+// ggml always, mlx where MLX runs (or under the test hook).
+func (m *mesh) engines() []string {
+	if m.mlxDevice != "" {
+		return []string{membership.EngineGGML, membership.EngineMLX}
+	}
+	return []string{membership.EngineGGML}
+}
+
+// setModel makes mm the mesh's model as this node knows it, and announces
+// the engine its layers will run on.
+func (m *mesh) setModel(mm *meshModel) {
+	engine := mm.ref.NeedsEngine()
+	m.mu.Lock()
+	m.model = mm
+	m.meta.Models = []membership.ModelRef{mm.ref}
+	offers := m.meta.Offers(engine)
+	if offers && engine == membership.EngineMLX {
+		m.meta.Engine, m.meta.Backend = engine, m.mlxDevice
+	}
+	m.mu.Unlock()
+	if !offers {
+		m.event("engine", "this node cannot run the %s engine that %s needs: the mesh gives it no layers, and it serves the API for the nodes that can", engine, mm.ref.Name)
+	}
+}
+
+// addLocalModel makes this node the holder of a model file (or of a
+// safetensors directory): it is hashed, indexed for peers, and announced.
 func (m *mesh) addLocalModel(path string) (*meshModel, error) {
+	if st, err := os.Stat(path); err == nil && st.IsDir() {
+		return m.addLocalDir(path)
+	}
 	info, err := ggufstage.ReadInfo(path)
 	if err != nil {
 		return nil, err
@@ -314,13 +387,156 @@ func (m *mesh) addLocalModel(path string) (*meshModel, error) {
 	mm := &meshModel{
 		ref: membership.ModelRef{ID: id, Name: modelName(path), HasFile: true,
 			Split: m.cfg.Split, Context: m.cfg.Context, Parallel: m.cfg.Parallel},
-		info: info, path: path, header: path,
+		info: ggufInfo(info), path: path, header: path,
 	}
-	m.mu.Lock()
-	m.model = mm
-	m.meta.Models = []membership.ModelRef{mm.ref}
-	m.mu.Unlock()
+	m.setModel(mm)
 	return mm, nil
+}
+
+// addLocalDir makes this node the holder of a safetensors model directory:
+// the files serving it reads are hashed into a manifest, whose hash is the
+// model's ID; peers read the manifest by that ID and each file by its own
+// hash, as they read a GGUF.
+func (m *mesh) addLocalDir(dir string) (*meshModel, error) {
+	open := safetensors.Dir(dir)
+	info, err := mlxstage.ReadInfo(open, mlxstage.QuantNone)
+	if err != nil {
+		return nil, fmt.Errorf("reading the model in %s: %w", dir, err)
+	}
+	man, err := mlxstage.BuildManifest(dir, func(p string) (string, error) {
+		return ggufstage.ContentHash(p, m.cfg.DataDir, m.cfg.Progress) // any file: remembered by path, size and mtime
+	})
+	if err != nil {
+		return nil, err
+	}
+	enc := man.Encode()
+	id := man.ID()
+	if err := m.files.Add(id, bytes.NewReader(enc), int64(len(enc))); err != nil {
+		return nil, fmt.Errorf("serving the manifest of %s: %w", dir, err)
+	}
+	for _, f := range man.Files {
+		fh, err := os.Open(filepath.Join(dir, filepath.FromSlash(f.Name)))
+		if err != nil {
+			return nil, fmt.Errorf("serving %s to peers: %w", f.Name, err)
+		}
+		if err := m.files.Add(f.SHA256, fh, f.Size); err != nil {
+			fh.Close()
+			return nil, fmt.Errorf("serving %s to peers: %w", f.Name, err)
+		}
+	}
+	mm := &meshModel{
+		ref: membership.ModelRef{ID: id, Name: modelName(dir), HasFile: true, Engine: membership.EngineMLX,
+			Split: m.cfg.Split, Context: m.cfg.Context, Parallel: m.cfg.Parallel},
+		info: mlxInfo(info), path: dir,
+		st: &stModel{files: func(context.Context) safetensors.Opener { return open }},
+	}
+	m.setModel(mm)
+	return mm, nil
+}
+
+// learnDir adopts a safetensors model that peers hold: its manifest
+// (checked against the model's ID) and small files (config, tokenizer,
+// index; each checked against its hash) are copied into the data
+// directory, and the shards stay on the peers, read by range when a stage
+// loads.
+func (m *mesh) learnDir(ctx context.Context, ref membership.ModelRef) (*meshModel, error) {
+	src, err := m.openSource(ctx, ref) // the manifest is served under the model's ID
+	if err != nil {
+		return nil, err
+	}
+	enc, err := readSmall(src, mlxstage.MaxManifest)
+	closeSource(src)
+	if err != nil {
+		return nil, fmt.Errorf("reading the model's manifest from %s: %w", src, err)
+	}
+	if sum := sha256.Sum256(enc); hex.EncodeToString(sum[:]) != ref.ID {
+		return nil, fmt.Errorf("%s sent a manifest that is not that of model %s", src, ref.ID)
+	}
+	man, err := mlxstage.ParseManifest(enc)
+	if err != nil {
+		return nil, err
+	}
+	dir := filepath.Join(m.cfg.DataDir, "models", ref.ID[:16]+"-hf")
+	for _, f := range man.Files {
+		if !f.Weights() {
+			if err := m.copyFile(ctx, ref, f, filepath.Join(dir, filepath.FromSlash(f.Name))); err != nil {
+				return nil, err
+			}
+		}
+	}
+	local := safetensors.Dir(dir)
+	files := func(ctx context.Context) safetensors.Opener {
+		return man.Opener(func(f mlxstage.ManifestFile) (safetensors.Source, error) {
+			if !f.Weights() {
+				return local(f.Name)
+			}
+			src, err := m.openPeerFile(ctx, ref.ID, f.SHA256)
+			if err != nil {
+				return nil, err // not a nil *PeerSource in an interface
+			}
+			return src, nil
+		})
+	}
+	info, err := mlxstage.ReadInfo(files(ctx), mlxstage.QuantNone) // reads the shards' headers
+	if err != nil {
+		return nil, fmt.Errorf("reading model %s from peers: %w", ref.Name, err)
+	}
+	ref.HasFile = false
+	mm := &meshModel{ref: ref, info: mlxInfo(info), st: &stModel{files: files}}
+	m.setModel(mm)
+	return mm, nil
+}
+
+// copyFile copies a small file of a safetensors model from a peer to path,
+// checking its hash; a copy already there with the right hash is kept.
+func (m *mesh) copyFile(ctx context.Context, ref membership.ModelRef, f mlxstage.ManifestFile, path string) error {
+	if b, err := os.ReadFile(path); err == nil && sha256Hex(b) == f.SHA256 {
+		return nil
+	}
+	src, err := m.openPeerFile(ctx, ref.ID, f.SHA256)
+	if err != nil {
+		return fmt.Errorf("fetching %s of %s: %w", f.Name, ref.Name, err)
+	}
+	b, err := readSmall(src, 64<<20)
+	src.Close()
+	if err != nil {
+		return fmt.Errorf("fetching %s of %s: %w", f.Name, ref.Name, err)
+	}
+	if sha256Hex(b) != f.SHA256 {
+		return fmt.Errorf("fetching %s of %s: %s sent other content than the manifest's", f.Name, ref.Name, src)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return fmt.Errorf("saving %s of %s: %w", f.Name, ref.Name, err)
+	}
+	tmp := path + ".part"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return fmt.Errorf("saving %s of %s: %w", f.Name, ref.Name, err)
+	}
+	return os.Rename(tmp, path)
+}
+
+func sha256Hex(b []byte) string {
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:])
+}
+
+// readSmall reads the whole of a source of at most limit bytes.
+func readSmall(src safetensors.Source, limit int64) ([]byte, error) {
+	if src.Size() > limit {
+		return nil, fmt.Errorf("%d bytes, over the %d limit", src.Size(), limit)
+	}
+	b := make([]byte, src.Size())
+	if len(b) == 0 {
+		return b, nil
+	}
+	n, err := src.ReadAt(b, 0)
+	if n == len(b) {
+		return b, nil // io.ReaderAt may say io.EOF with the last byte
+	}
+	if err == nil {
+		err = io.ErrUnexpectedEOF
+	}
+	return nil, err
 }
 
 // learnModel finds the mesh's model in a peer's announcement and reads its
@@ -333,6 +549,15 @@ func (m *mesh) learnModel(ctx context.Context) (*meshModel, error) {
 		for _, ref := range mem.Meta.Models {
 			if !ref.HasFile && ref.Source == "" {
 				continue
+			}
+			if ref.NeedsEngine() == membership.EngineMLX {
+				mm, err := m.learnDir(ctx, ref)
+				if err != nil {
+					m.log.Warn("learning the model from its holders", zap.String("model", ref.Name), zap.Error(err))
+					continue
+				}
+				m.event("model", "learned model %s (%s, %d layers, safetensors) from %s", ref.Name, mm.info.Arch, mm.info.Layers, shortID(mem.Meta.PeerID))
+				return mm, nil
 			}
 			src, err := m.openSource(ctx, ref)
 			if err != nil {
@@ -367,11 +592,8 @@ func (m *mesh) adoptModel(ref membership.ModelRef, src weights.RangeSource) (*me
 		return nil, err
 	}
 	ref.HasFile = false
-	mm := &meshModel{ref: ref, info: info, header: header}
-	m.mu.Lock()
-	m.model = mm
-	m.meta.Models = []membership.ModelRef{ref}
-	m.mu.Unlock()
+	mm := &meshModel{ref: ref, info: ggufInfo(info), header: header}
+	m.setModel(mm)
 	return mm, nil
 }
 
@@ -399,20 +621,9 @@ func (m *mesh) addRemoteModel(ctx context.Context, url string) (*meshModel, erro
 // openSource opens the model's bytes: from a peer holding the file when
 // the ref says so, else from its public source.
 func (m *mesh) openSource(ctx context.Context, ref membership.ModelRef) (weights.RangeSource, error) {
-	var errs []error
-	for _, mem := range m.ml.Members() {
-		if mem.Meta.PeerID == m.self {
-			continue
-		}
-		for _, r := range mem.Meta.Models {
-			if r.ID == ref.ID && r.HasFile {
-				src, err := m.openPeer(ctx, mem.Meta.PeerID, ref.ID)
-				if err == nil {
-					return src, nil
-				}
-				errs = append(errs, err)
-			}
-		}
+	src, errs := m.openHolder(ctx, ref.ID, ref.ID)
+	if src != nil {
+		return src, nil
 	}
 	if ref.Source != "" {
 		hf, err := weights.ParseHFURL(ref.Source)
@@ -430,6 +641,40 @@ func (m *mesh) openSource(ctx context.Context, ref membership.ModelRef) (weights
 	}
 	if len(errs) == 0 {
 		return nil, errors.New("no peer holds the model file and it has no public source")
+	}
+	return nil, errors.Join(errs...)
+}
+
+// openHolder opens file fileID on the first peer that holds model modelID
+// and answers, and else says why each failed.
+func (m *mesh) openHolder(ctx context.Context, modelID, fileID string) (*weights.PeerSource, []error) {
+	var errs []error
+	for _, mem := range m.ml.Members() {
+		if mem.Meta.PeerID == m.self {
+			continue
+		}
+		for _, r := range mem.Meta.Models {
+			if r.ID == modelID && r.HasFile {
+				src, err := m.openPeer(ctx, mem.Meta.PeerID, fileID)
+				if err == nil {
+					return src, nil
+				}
+				errs = append(errs, err)
+			}
+		}
+	}
+	return nil, errs
+}
+
+// openPeerFile opens one file of a safetensors model (by its hash) on a
+// peer that holds the model's directory.
+func (m *mesh) openPeerFile(ctx context.Context, modelID, fileID string) (*weights.PeerSource, error) {
+	src, errs := m.openHolder(ctx, modelID, fileID)
+	if src != nil {
+		return src, nil
+	}
+	if len(errs) == 0 {
+		return nil, errors.New("no peer holds the model's files")
 	}
 	return nil, errors.Join(errs...)
 }
@@ -500,8 +745,8 @@ func (m *mesh) probeDevice(mm *meshModel) {
 	done := m.probed
 	m.probed = true
 	m.mu.Unlock()
-	if done || strings.EqualFold(m.cfg.Device, "cpu") {
-		return
+	if done || strings.EqualFold(m.cfg.Device, "cpu") || mm.st != nil {
+		return // MLX has no devices to choose between: its memory is the machine's
 	}
 	devs, err := ggufstage.Devices(mm.header)
 	if err != nil {
@@ -548,15 +793,65 @@ func (m *mesh) learnAddrs(members []membership.Member) {
 
 // planModel describes the model to the planner.
 func planModel(mm *meshModel) planner.Model {
-	per, embed, head, kv := mm.info.Sizes()
 	parallel := max(mm.ref.Parallel, 1)
 	ctxLen := max(mm.ref.Context, 1)
 	return planner.Model{
-		ID: mm.ref.ID, Layers: mm.info.Layers, PerLayerBytes: per,
-		EmbedBytes: embed, HeadBytes: head, KVPerTokenPerLayer: kv,
+		ID: mm.ref.ID, Layers: mm.info.Layers, PerLayerBytes: mm.info.perLayer,
+		EmbedBytes: mm.info.embed, HeadBytes: mm.info.head, KVPerTokenPerLayer: mm.info.kv,
 		KVTokens: ctxLen * parallel, StageOverhead: 64 << 20,
-		Engines: []string{"ggml"},
+		Engines: []string{mm.ref.NeedsEngine()},
 	}
+}
+
+// plannerNodes describes the members to the planner for model ref, and
+// says whether one of them asked for a split. A member that cannot run the
+// engine the model needs keeps its own engine, so that the planner leaves
+// it out and counts it.
+func plannerNodes(ref membership.ModelRef, members []membership.Member) ([]planner.Node, bool) {
+	want := ref.NeedsEngine()
+	var nodes []planner.Node
+	split := false
+	for _, mem := range members {
+		md := mem.Meta
+		if !mem.Complete {
+			continue
+		}
+		n := planner.Node{ID: md.PeerID, Engine: want, MemBudget: md.MemFree, Speed: md.Speed,
+			Ready: md.State != membership.NodeDraining}
+		if !md.Offers(want) {
+			n.Engine = strings.Join(md.Engines, "+")
+			if n.Engine == "" {
+				n.Engine = cmp.Or(md.Engine, membership.EngineGGML)
+			}
+		}
+		for _, p := range md.Pins {
+			if p.Model == ref.ID || p.Model == "" {
+				n.Pin = &planner.Range{Start: p.Start, End: p.End}
+			}
+		}
+		for _, r := range md.Models {
+			if r.ID == ref.ID {
+				n.HasFile = r.HasFile
+				split = split || r.Split
+			}
+		}
+		nodes = append(nodes, n)
+	}
+	return nodes, split
+}
+
+// explainPlanErr says why a model has no placement when no node can run
+// its engine at all, which the planner's counts alone leave implicit.
+func explainPlanErr(err error, ref membership.ModelRef, nodes []planner.Node) error {
+	want := ref.NeedsEngine()
+	if !errors.Is(err, planner.ErrNoNodes) || slices.ContainsFunc(nodes, func(n planner.Node) bool { return n.Engine == want }) {
+		return err
+	}
+	hint := ""
+	if want == membership.EngineMLX {
+		hint = " (a safetensors model directory runs on MLX: Apple Silicon with a build with -tags mlx; serve a GGUF of the model for the other nodes)"
+	}
+	return fmt.Errorf("no node of the mesh can run the %s engine that %s needs%s: %w", want, ref.Name, hint, err)
 }
 
 func (m *mesh) reconcile(ctx context.Context) {
@@ -578,30 +873,10 @@ func (m *mesh) reconcile(ctx context.Context) {
 	members := m.ml.Members()
 	m.abortGone(members)
 	m.learnAddrs(members)
-	var nodes []planner.Node
-	split := false
-	for _, mem := range members {
-		md := mem.Meta
-		if !mem.Complete || md.Engine != "ggml" {
-			continue
-		}
-		n := planner.Node{ID: md.PeerID, Engine: md.Engine, MemBudget: md.MemFree, Speed: md.Speed,
-			Ready: md.State != membership.NodeDraining}
-		for _, p := range md.Pins {
-			if p.Model == mm.ref.ID || p.Model == "" {
-				n.Pin = &planner.Range{Start: p.Start, End: p.End}
-			}
-		}
-		for _, r := range md.Models {
-			if r.ID == mm.ref.ID {
-				n.HasFile = r.HasFile
-				split = split || r.Split
-			}
-		}
-		nodes = append(nodes, n)
-	}
+	nodes, split := plannerNodes(mm.ref, members)
 	plan, err := planner.Place(planModel(mm), nodes, planner.Options{Split: split, Headroom: 0.05})
 	if err != nil {
+		err = explainPlanErr(err, mm.ref, nodes)
 		m.setPipe(nil, nil, nil)
 		m.mu.Lock()
 		changed := len(m.plan.Stages) > 0
@@ -724,21 +999,29 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 		}
 	}()
 	ls := &localStage{start: want.Start, end: want.End}
-	if mm.path != "" {
-		ls.slice, err = ggufstage.Slice(mm.path, m.cfg.DataDir, want.Start, want.End, m.loadProgress())
+	if mm.st != nil {
+		if ls.engine, ls.fetched, err = m.openMLX(ctx, mm, want); err != nil {
+			return err
+		}
 	} else {
-		ls.slice, ls.fetched, err = m.fetchSlice(ctx, mm, want.Start, want.End)
-	}
-	if err != nil {
-		return err
-	}
-	ls.engine, err = ggufstage.Open(ls.slice, want.Start, want.End, ggufstage.Options{
-		Threads: m.cfg.Threads, Context: mm.ref.Context, MaxSeqs: max(mm.ref.Parallel, 1),
-		BatchSize: m.cfg.BatchTokens, FlashAttention: m.cfg.FlashAttention, NoRepack: m.cfg.NoRepack,
-		WireDType: m.cfg.WireDType, Device: m.cfg.Device,
-	})
-	if err != nil {
-		return err
+		if mm.path != "" {
+			ls.slice, err = ggufstage.Slice(mm.path, m.cfg.DataDir, want.Start, want.End, m.loadProgress())
+		} else {
+			ls.slice, ls.fetched, err = m.fetchSlice(ctx, mm, want.Start, want.End)
+		}
+		if err != nil {
+			return err
+		}
+		var e *ggufstage.Engine
+		e, err = ggufstage.Open(ls.slice, want.Start, want.End, ggufstage.Options{
+			Threads: m.cfg.Threads, Context: mm.ref.Context, MaxSeqs: max(mm.ref.Parallel, 1),
+			BatchSize: m.cfg.BatchTokens, FlashAttention: m.cfg.FlashAttention, NoRepack: m.cfg.NoRepack,
+			WireDType: m.cfg.WireDType, Device: m.cfg.Device,
+		})
+		if err != nil {
+			return err
+		}
+		ls.engine = e
 	}
 	ls.observed = m.obs.wrapEngine(ls.engine, planModel(mm).StageMemory(want.Start, want.End))
 	ls.server, err = pipeline.NewServer(pipeline.ServerConfig{
@@ -781,6 +1064,51 @@ func (m *mesh) dropStage(cur *localStage) {
 	cur.close()
 	m.event("unload", "stopped serving layers [%d,%d)", cur.start, cur.end)
 }
+
+// openMLX loads a stage of a safetensors model with mlxstage: from the
+// directory on the node that holds it, else from peers, which send only
+// the headers and the stage's tensors. It returns the bytes read from
+// peers.
+func (m *mesh) openMLX(ctx context.Context, mm *meshModel, want planner.Stage) (stage.Engine, uint64, error) {
+	opts := mlxstage.Options{
+		Engine: mlxstage.EngineMLX, Files: mm.st.files(ctx),
+		Context: mm.ref.Context, MaxSeqs: max(mm.ref.Parallel, 1), BatchSize: m.cfg.BatchTokens,
+		WireDType: m.cfg.WireDType,
+	}
+	var be ops.Backend
+	if m.cfg.mlxBackend != nil {
+		var err error
+		if be, err = m.cfg.mlxBackend(); err != nil {
+			return nil, 0, fmt.Errorf("making the test MLX backend: %w", err)
+		}
+		opts.Backend = be
+	}
+	e, err := mlxstage.Open(cmp.Or(mm.path, mm.ref.Name), want.Start, want.End, opts)
+	if err != nil {
+		if be != nil {
+			be.Close()
+		}
+		return nil, 0, err
+	}
+	var fetched uint64
+	if mm.path == "" {
+		fetched = uint64(e.LoadStats().Total())
+		m.event("fetch", "read layers [%d,%d) from peers: %s", want.Start, want.End, HumanBytes(fetched))
+	}
+	if be != nil {
+		return ownBackend{e, be}, fetched, nil
+	}
+	return e, fetched, nil
+}
+
+// ownBackend is an engine on a backend it was given (mlxstage does not
+// close those), which it closes after itself.
+type ownBackend struct {
+	*mlxstage.Engine
+	be ops.Backend
+}
+
+func (e ownBackend) Close() error { return errors.Join(e.Engine.Close(), e.be.Close()) }
 
 // fetchSlice gets a stage's bytes from a peer that holds the model file,
 // or from the model's public source.

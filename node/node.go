@@ -23,6 +23,9 @@ import (
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/mlxstage"
+	"github.com/meshnode/meshnode/mlxstage/hftok"
+	"github.com/meshnode/meshnode/mlxstage/ops"
+	"github.com/meshnode/meshnode/mlxstage/safetensors"
 	"github.com/meshnode/meshnode/node/admin"
 	"github.com/meshnode/meshnode/node/membership"
 	"github.com/meshnode/meshnode/node/openai"
@@ -33,7 +36,7 @@ import (
 
 // Config is everything `meshnode serve` and `meshnode join` take.
 type Config struct {
-	Model          string // path to a .gguf; "" = the default model (serve) or the mesh's (join)
+	Model          string // path to a .gguf or a safetensors directory (MLX); "" = the default model (serve) or the mesh's (join)
 	HTTPAddr       string // default 127.0.0.1:9337
 	DataDir        string // slices, hashes, keys
 	CacheDir       string // downloaded models
@@ -78,6 +81,30 @@ type Config struct {
 	// /api/leave): how long the node waits for its requests to finish and
 	// for the mesh to serve without it. 0 means 60 s; negative skips it.
 	DrainTimeout time.Duration
+
+	// mlxBackend, when set, is the backend this node's safetensors stages
+	// run on instead of MLX, and makes the node offer the mlx engine where
+	// MLX is unavailable. Only tests set it (export_test.go, with
+	// mlx.Emulated), so that serving safetensors models is tested on
+	// Linux; a real node never falls back to a slow Go backend by itself.
+	mlxBackend func() (ops.Backend, error)
+}
+
+// mlxDevice is where this node would run MLX stages ("metal", "emulated"
+// under the test hook), or "" when it cannot.
+func (c Config) mlxDevice() string {
+	if c.mlxBackend != nil {
+		be, err := c.mlxBackend()
+		if err != nil {
+			return ""
+		}
+		defer be.Close()
+		return strings.ToLower(be.Device())
+	}
+	if mlxstage.Check() != nil {
+		return ""
+	}
+	return "metal"
 }
 
 // DefaultHTTPAddr is loopback: exposing the API is an explicit choice.
@@ -149,12 +176,12 @@ func Run(ctx context.Context, cfg Config) error {
 		return fmt.Errorf("creating data dir: %w", err)
 	}
 
-	if st, err := os.Stat(cfg.Model); err == nil && st.IsDir() {
-		// An HF-style directory (config.json + safetensors) is MLX's.
-		if !mlxstage.Available() {
-			return fmt.Errorf("%s is a safetensors model directory: %w (or run this node on a Mac built with -tags mlx)", cfg.Model, mlxstage.ErrUnavailable)
+	if st, err := os.Stat(cfg.Model); err == nil && st.IsDir() && cfg.mlxBackend == nil {
+		// A Hugging Face directory (config.json, safetensors) runs on MLX
+		// alone: say so now rather than serve a model no layer can load.
+		if err := mlxstage.Check(); err != nil {
+			return fmt.Errorf("cannot serve %s, a safetensors model directory, which needs the MLX engine: %w", cfg.Model, err)
 		}
-		return fmt.Errorf("%s: serving safetensors models through the mesh is not wired yet; mlxstage runs them in tests and pipelines", cfg.Model)
 	}
 	m, err := startMesh(ctx, cfg, log.Named("mesh"))
 	if err != nil {
@@ -208,7 +235,7 @@ func Run(ctx context.Context, cfg Config) error {
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
-	served, err := newServed(m, mm, cfg, log)
+	served, err := newServed(ctx, m, mm, cfg, log)
 	if err != nil {
 		return err
 	}
@@ -230,6 +257,7 @@ func Run(ctx context.Context, cfg Config) error {
 	mux.Handle("/", admin.Root(m.obs.metrics.CountHTTP(api))) // the dashboard for browsers at "/"
 	mux.Handle("/api/", requireKey(cfg.APIKey, admin.New(admin.Config{Status: m.status, Stats: m.obs.selfStats})))
 	mux.Handle("/metrics", requireKey(cfg.APIKey, m.obs.metrics.Handler()))
+	mux.Handle("/debug/pprof/", requireKey(cfg.APIKey, admin.Profiles()))
 	mux.Handle("POST /api/leave", requireKey(cfg.APIKey, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		leaveOnce.Do(func() { close(leave) })
 		w.Header().Set("Content-Type", "application/json")
@@ -306,14 +334,62 @@ type Model struct {
 	id       string
 	created  int64
 	info     stage.Info
-	tok      *ggufstage.Tokenizer
+	tok      tokenizer
+	chat     chatFormat
 	sched    *scheduler.Scheduler
 	mesh     *mesh
 	draining atomic.Bool
 }
 
-func newServed(m *mesh, mm *meshModel, cfg Config, log *zap.Logger) (*Model, error) {
-	tok, err := ggufstage.LoadTokenizer(mm.header)
+// tokenizer is what serving needs of a model's tokenizer, whichever
+// engine's: Decode gives one token's text in the middle of a sequence.
+type tokenizer interface {
+	scheduler.Tokenizer
+	Encode(s string, addSpecial bool) ([]int32, error)
+	HasToken(s string) bool
+}
+
+// chatFormat is what the chat template needs besides the tokenizer.
+type chatFormat struct {
+	template, bos, eos string
+}
+
+// hfTokenizer is a safetensors model's tokenizer. The scheduler decodes one
+// token at a time, so Decode is DecodePiece: Decode would strip the space
+// a SentencePiece word starts with, as at the start of a text.
+type hfTokenizer struct{ *hftok.Tokenizer }
+
+func (t hfTokenizer) Decode(ids []int32) (string, error) { return t.DecodePiece(ids) }
+
+// loadGGUFTokenizer reads the tokenizer of a GGUF (any slice or header).
+func loadGGUFTokenizer(path string) (tokenizer, chatFormat, error) {
+	tok, err := ggufstage.LoadTokenizer(path)
+	if err != nil {
+		return nil, chatFormat{}, err
+	}
+	return tok, chatFormat{template: tok.ChatTemplate, bos: tok.BOS, eos: tok.EOS}, nil
+}
+
+// loadHFTokenizer reads tokenizer.json and its companions.
+func loadHFTokenizer(open safetensors.Opener) (tokenizer, chatFormat, error) {
+	tok, err := hftok.Load(open, hftok.Options{})
+	if err != nil {
+		return nil, chatFormat{}, fmt.Errorf("loading the tokenizer: %w", err)
+	}
+	return hfTokenizer{tok}, chatFormat{template: tok.ChatTemplate, bos: tok.BOS, eos: tok.EOS}, nil
+}
+
+func newServed(ctx context.Context, m *mesh, mm *meshModel, cfg Config, log *zap.Logger) (*Model, error) {
+	var (
+		tok  tokenizer
+		chat chatFormat
+		err  error
+	)
+	if mm.st != nil {
+		tok, chat, err = loadHFTokenizer(mm.st.files(ctx))
+	} else {
+		tok, chat, err = loadGGUFTokenizer(mm.header)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -335,7 +411,7 @@ func newServed(m *mesh, mm *meshModel, cfg Config, log *zap.Logger) (*Model, err
 			created = st.ModTime().Unix()
 		}
 	}
-	return &Model{id: mm.ref.Name, created: created, info: info, tok: tok, sched: sched, mesh: m}, nil
+	return &Model{id: mm.ref.Name, created: created, info: info, tok: tok, chat: chat, sched: sched, mesh: m}, nil
 }
 
 func (s *Model) health() error {
@@ -374,7 +450,12 @@ func (s *Model) drain(timeout time.Duration, log *zap.Logger) {
 	log.Warn("drain timed out; leaving anyway", zap.Duration("timeout", timeout))
 }
 
+// modelName is the model's API id: a GGUF's file name without .gguf, a
+// directory's name (whole: "Qwen2.5-0.5B" has no extension).
 func modelName(path string) string {
+	if st, err := os.Stat(path); err == nil && st.IsDir() {
+		return filepath.Base(filepath.Clean(path))
+	}
 	return strings.TrimSuffix(filepath.Base(path), filepath.Ext(path))
 }
 
@@ -396,8 +477,21 @@ func requireKey(key string, h http.Handler) http.Handler {
 
 // LoadModel reads a model's tokenizer and chat template without loading
 // any weights: enough to render and tokenize prompts as the node does.
+// A safetensors directory works too.
 func LoadModel(path string, cfg Config) (*Model, error) {
-	tok, err := ggufstage.LoadTokenizer(path)
+	if st, err := os.Stat(path); err == nil && st.IsDir() {
+		open := safetensors.Dir(path)
+		tok, chat, err := loadHFTokenizer(open)
+		if err != nil {
+			return nil, fmt.Errorf("loading %s: %w", path, err)
+		}
+		c, err := mlxstage.ReadConfig(open)
+		if err != nil {
+			return nil, fmt.Errorf("loading %s: %w", path, err)
+		}
+		return &Model{id: modelName(path), tok: tok, chat: chat, info: stage.Info{Arch: c.Arch, Layers: c.Layers, Vocab: c.Vocab, Context: cfg.Context}}, nil
+	}
+	tok, chat, err := loadGGUFTokenizer(path)
 	if err != nil {
 		return nil, err
 	}
@@ -405,7 +499,7 @@ func LoadModel(path string, cfg Config) (*Model, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Model{id: modelName(path), tok: tok, info: stage.Info{Arch: info.Arch, Layers: info.Layers, Vocab: info.Vocab, Context: cfg.Context}}, nil
+	return &Model{id: modelName(path), tok: tok, chat: chat, info: stage.Info{Arch: info.Arch, Layers: info.Layers, Vocab: info.Vocab, Context: cfg.Context}}, nil
 }
 
 // Close releases nothing today; it keeps LoadModel's callers honest.

@@ -36,8 +36,8 @@ func (m *Model) ChatPrompt(msgs []openai.Message) ([]int32, error) {
 	for i, msg := range msgs {
 		tm[i] = text.Message{Role: msg.Role, Content: msg.Content}
 	}
-	prompt, _, err := text.Render(m.tok.ChatTemplate, tm, text.RenderOptions{
-		BOS: m.tok.BOS, EOS: m.tok.EOS, EmitBOS: false,
+	prompt, _, err := text.Render(m.chat.template, tm, text.RenderOptions{
+		BOS: m.chat.bos, EOS: m.chat.eos, EmitBOS: false,
 		AddGenerationPrompt: true, HasToken: m.tok.HasToken,
 	})
 	if err != nil {

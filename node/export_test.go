@@ -1,0 +1,18 @@
+package node
+
+import (
+	"github.com/meshnode/meshnode/mlxstage/mlx"
+	"github.com/meshnode/meshnode/mlxstage/ops"
+)
+
+// EmulateMLX turns the test hook on in cfg: the node offers the mlx engine
+// and runs safetensors stages on mlx.Emulated(), the MLX binding's Go logic
+// over a pure-Go emulation of mlx-c, so that the MLX serving path runs
+// where MLX does not.
+func EmulateMLX(cfg Config) Config {
+	cfg.mlxBackend = func() (ops.Backend, error) {
+		be, _ := mlx.Emulated()
+		return be, nil
+	}
+	return cfg
+}
