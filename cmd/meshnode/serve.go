@@ -125,15 +125,22 @@ With no --model it serves the small default model, stories260K: from
 ../shared/models when present, else downloaded once from Hugging Face
 (ggml-org/models) into the cache.
 
+--model DIR serves a Hugging Face safetensors directory (config.json,
+*.safetensors, tokenizer.json) with MLX: on a Mac with Apple Silicon and a
+meshnode built with -tags mlx. Only nodes that run MLX get its layers; the
+others serve its API. Where MLX is unavailable it stops with an error: serve
+a GGUF of the model there instead.
+
 The mesh places layers by itself: one node when the model fits it, else
 contiguous layer ranges in proportion to each node's memory and speed.
 --split spreads the model over every node even when it fits one.`, `  meshnode serve
   meshnode serve --model ./qwen2.5-0.5b-instruct-q4_0.gguf --ctx 8192 --parallel 8
   meshnode serve --model ./llama-3.1-8b-q4_0.gguf --split --max-memory 6GiB
+  meshnode serve --model ./Qwen2.5-0.5B-Instruct        # a safetensors directory, on MLX
   meshnode serve --http 0.0.0.0:9337 --api-key "$(cat ~/.meshnode/api-key)"`)
 	var f nodeFlags
 	f.register(fs)
-	fs.StringVar(&f.cfg.Model, "model", "", "path to a GGUF model (llama, qwen2, qwen3 architectures); empty = the default model")
+	fs.StringVar(&f.cfg.Model, "model", "", "path to a GGUF model, or (MLX only) a safetensors model directory; llama, qwen2, qwen3 architectures; empty = the default model")
 	fs.IntVar(&f.cfg.Context, "ctx", 4096, "context length (positions) per sequence")
 	fs.IntVar(&f.cfg.Parallel, "parallel", 4, "sequences generated at once (each gets --ctx positions of KV cache)")
 	fs.BoolVar(&f.cfg.Split, "split", false, "split the model across all ready nodes even when it fits on one")
