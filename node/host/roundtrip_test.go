@@ -1,0 +1,124 @@
+package host
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"testing"
+	"time"
+)
+
+// BenchmarkRoundTrip measures a request/reply of a given size over a
+// libp2p stream between two hosts on loopback (PSK, security, yamux), with
+// plain loopback TCP as the reference: a pipeline hop pays this per step.
+func BenchmarkRoundTrip(b *testing.B) {
+	for _, size := range []int{64, 4 << 10, 16 << 10, 64 << 10} {
+		b.Run(fmt.Sprintf("tcp/%dB", size), func(b *testing.B) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer ln.Close()
+			go echo(ln)
+			c, err := net.Dial("tcp", ln.Addr().String())
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer c.Close()
+			pingPong(b, c, size)
+		})
+		b.Run(fmt.Sprintf("libp2p/%dB", size), func(b *testing.B) {
+			c := benchStream(b, echo)
+			defer c.Close()
+			pingPong(b, c, size)
+		})
+	}
+}
+
+// BenchmarkOneWay is the throughput of one libp2p stream on loopback, as a
+// prefill's activations would use it.
+func BenchmarkOneWay(b *testing.B) {
+	c := benchStream(b, discard)
+	defer c.Close()
+	buf := make([]byte, 1<<20)
+	b.SetBytes(int64(len(buf)))
+	for range b.N {
+		if _, err := c.Write(buf); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// benchStream connects two hosts of one mesh on loopback and opens a
+// stream to a server (echo or discard) on the second.
+func benchStream(b *testing.B, serve func(net.Listener)) net.Conn {
+	b.Helper()
+	key, err := GenerateMeshKey()
+	if err != nil {
+		b.Fatal(err)
+	}
+	hosts := make([]*Host, 2)
+	for i := range hosts {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		hosts[i], err = New(ctx, Config{DataDir: b.TempDir(), Listen: []string{"/ip4/127.0.0.1/tcp/0"}, MeshKey: key})
+		cancel()
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { hosts[i].Close() })
+	}
+	ln := hosts[1].Listen("/meshnode/bench/1")
+	b.Cleanup(func() { ln.Close() })
+	go serve(ln)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := hosts[0].Connect(ctx, hosts[1].Addrs()[0].String()); err != nil {
+		b.Fatal(err)
+	}
+	c, err := hosts[0].Dial(ctx, hosts[1].ID(), "/meshnode/bench/1")
+	if err != nil {
+		b.Fatal(err)
+	}
+	return c
+}
+
+func echo(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			io.Copy(c, c)
+		}()
+	}
+}
+
+func discard(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			io.Copy(io.Discard, c)
+		}()
+	}
+}
+
+func pingPong(b *testing.B, c net.Conn, size int) {
+	buf := make([]byte, size)
+	b.SetBytes(int64(size))
+	b.ResetTimer()
+	for range b.N {
+		if _, err := c.Write(buf); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, buf); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
