@@ -1,5 +1,9 @@
 package scheduler
 
+// minPromptChunk is the smallest prompt chunk a pipelined round cuts: below
+// it a stage's fixed cost per batch outweighs the overlap.
+const minPromptChunk = 32
+
 // want describes one active sequence to the batch policy.
 type want struct {
 	prefill int // prompt tokens not yet fed through the model

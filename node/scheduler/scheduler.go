@@ -183,6 +183,7 @@ type seq struct {
 
 	lane int  // micro-batch group when pipelining
 	busy bool // in a batch that is in flight
+	sent int  // tokens past fed in batches still in flight (pipelined prompt chunks)
 }
 
 // pending is the number of tokens to feed before the next token can be
@@ -368,7 +369,7 @@ func (s *Scheduler) dropIfGone(q *seq) bool {
 // step runs one forward pass over the active sequences and returns those
 // still generating, and those to replay on a new pipeline.
 func (s *Scheduler) step(ctx context.Context, active []*seq) (next, replay []*seq) {
-	b, take, outs := s.build(active)
+	b, take, outs := s.build(active, s.cfg.BatchTokens)
 	if b.Rows() == 0 {
 		return active, nil
 	}
@@ -385,30 +386,37 @@ func (s *Scheduler) step(ctx context.Context, active []*seq) (next, replay []*se
 }
 
 // build makes the next batch of a group of sequences: one token for each
-// decoding sequence, prompt chunks for the others, within the budget.
-func (s *Scheduler) build(group []*seq) (b *stage.Batch, take []int, outs []*seq) {
+// decoding sequence, prompt chunks for the others, within budget tokens.
+// Every sequence of the group must have a token not yet sent. The tokens
+// taken count as sent until apply.
+func (s *Scheduler) build(group []*seq, budget int) (b *stage.Batch, take []int, outs []*seq) {
 	ws := make([]want, len(group))
 	for i, q := range group {
-		if q.prefilling() {
-			ws[i] = want{prefill: q.pending()}
+		if rest := q.unsent(); rest > 1 {
+			ws[i] = want{prefill: rest}
 		}
 	}
-	take = planBatch(ws, s.cfg.BatchTokens)
+	take = planBatch(ws, budget)
 	b = &stage.Batch{}
 	for i, q := range group {
+		from := q.fed + q.sent
 		for k := range take[i] {
-			pos := q.fed + k
+			pos := from + k
 			b.Seqs = append(b.Seqs, q.id)
 			b.Pos = append(b.Pos, int32(pos))
 			b.Tokens = append(b.Tokens, q.tokens[pos])
 		}
-		if take[i] > 0 && q.fed+take[i] == len(q.tokens) {
+		if take[i] > 0 && from+take[i] == len(q.tokens) {
 			b.Outputs = append(b.Outputs, len(b.Seqs)-1)
 			outs = append(outs, q)
 		}
+		q.sent += take[i]
 	}
 	return b, take, outs
 }
+
+// unsent is the tokens not yet in any batch.
+func (q *seq) unsent() int { return len(q.tokens) - q.fed - q.sent }
 
 func (s *Scheduler) count(elapsed time.Duration) {
 	s.mu.Lock()
@@ -425,7 +433,7 @@ func (s *Scheduler) replay(group []*seq, err error) (replay []*seq) {
 	s.stats.Replays += uint64(len(group))
 	s.mu.Unlock()
 	for _, q := range group {
-		q.busy = false
+		q.busy, q.sent = false, 0
 		if q.opened {
 			s.pipe.Release(q.id) // best effort: the old pipeline may be gone
 			q.opened = false
@@ -451,7 +459,8 @@ func (s *Scheduler) apply(group []*seq, take []int, outs []*seq, toks []int32) [
 			prompt += uint64(take[i])
 		}
 		q.fed += take[i]
-		q.busy = false
+		q.sent -= take[i]
+		q.busy = q.sent > 0
 	}
 	s.mu.Lock()
 	s.stats.PromptTokens += prompt
@@ -479,35 +488,60 @@ type flight struct {
 // micro-batch is on stage 2 the next is already on stage 1, then takes the
 // oldest result. On a single machine this changes little; across machines
 // it is what lets throughput grow with the number of stages.
+//
+// A lane's prompt tokens go in up to `lanes` chunks of BatchTokens/lanes,
+// each its own batch: a stage may run a prompt's next chunk while the
+// following stage runs the one before (the route keeps their order), so
+// even a single long prompt keeps every stage busy. A round still feeds a
+// lane at most BatchTokens prompt tokens, as unpipelined.
 func (s *Scheduler) stepPipelined(ctx context.Context, sub Submitter, active []*seq) (next, replay []*seq) {
 	lanes := sub.Lanes()
+	chunk := max(s.cfg.BatchTokens/lanes, minPromptChunk)
 	var flights []*flight
 	for lane := range lanes {
 		var group []*seq
+		decoding := 0
 		for _, q := range active {
 			if q.lane%lanes == lane && !q.busy {
 				group = append(group, q)
+				if !q.prefilling() {
+					decoding++
+				}
 			}
 		}
-		if len(group) == 0 {
-			continue
-		}
-		b, take, outs := s.build(group)
-		if b.Rows() == 0 {
-			continue
-		}
-		wait, err := sub.Submit(ctx, b)
-		if err != nil {
-			// Wait out what is in flight, then replay everything.
-			for _, f := range flights {
-				f.wait(ctx)
+		// The first batch carries every decoding sequence's token.
+		budget := max(chunk, decoding)
+		for range lanes {
+			if len(group) == 0 {
+				break
 			}
-			return nil, s.replay(active, err)
+			b, take, outs := s.build(group, budget)
+			if b.Rows() == 0 {
+				break
+			}
+			for i, q := range group {
+				if take[i] > 0 {
+					q.busy = true
+				}
+			}
+			wait, err := sub.Submit(ctx, b)
+			if err != nil {
+				// Wait out what is in flight, then replay everything.
+				for _, f := range flights {
+					f.wait(ctx)
+				}
+				return nil, s.replay(active, err)
+			}
+			flights = append(flights, &flight{group: group, take: take, outs: outs, wait: wait, start: time.Now()})
+			// What follows in this round is the rest of the prompts.
+			var rest []*seq
+			for _, q := range group {
+				if q.unsent() > 0 {
+					rest = append(rest, q)
+				}
+			}
+			group, budget = rest, chunk
 		}
-		for _, q := range group {
-			q.busy = true
-		}
-		flights = append(flights, &flight{group: group, take: take, outs: outs, wait: wait, start: time.Now()})
 	}
 	if len(flights) == 0 {
 		return active, nil

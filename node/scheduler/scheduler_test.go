@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -443,6 +444,13 @@ type lanes struct {
 	mu        sync.Mutex
 	submitted int
 	failAt    int
+	log       []string // "submit <rows>" and "wait" in the order they happened
+}
+
+func (l *lanes) record(e string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.log = append(l.log, e)
 }
 
 func (l *lanes) Lanes() int { return l.n }
@@ -455,15 +463,72 @@ func (l *lanes) Submit(ctx context.Context, b *stage.Batch) (func(context.Contex
 	if fail {
 		return func(context.Context) ([]int32, error) { return nil, errors.New("hop 2 stalled") }, nil
 	}
+	l.record(fmt.Sprintf("submit %d", b.Rows()))
 	toks, err := l.Pipeline.Forward(ctx, b)
-	return func(context.Context) ([]int32, error) { return toks, err }, nil
+	return func(context.Context) ([]int32, error) { l.record("wait"); return toks, err }, nil
+}
+
+const longPrompt = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her friends. " +
+	"One day, she saw a big red ball under a tree. She ran to the ball and picked it up. Her friend Tom came to play with her. " +
+	"They threw the ball high in the sky and laughed. Then the sun went down and they went home to eat dinner with mom and dad."
+
+// TestPipelinedPromptChunks: a single long prompt on a route of two stages
+// goes in chunks of BatchTokens/2, several in flight before the first
+// result is awaited, and generates the text it generates unpipelined.
+func TestPipelinedPromptChunks(t *testing.T) {
+	eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 2, Context: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	tok, _ := ggufstage.LoadTokenizer(storiesPath)
+	ids, _ := tok.Encode(longPrompt, true)
+	if len(ids) < 100 {
+		t.Fatalf("the long prompt is %d tokens; the test needs over 100", len(ids))
+	}
+	generate := func(p Pipeline) string {
+		s := New(p, tok, Config{Parallel: 1, BatchTokens: 64}, nil)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { s.Run(ctx); close(done) }()
+		defer func() { cancel(); <-done }()
+		ch, err := s.Submit(context.Background(), Request{Prompt: ids, MaxTokens: 16, Sampling: greedy()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		text, _ := collect(t, ch)
+		return text
+	}
+	want := generate(Local(eng))
+	l := &lanes{Pipeline: Local(eng), n: 2}
+	if got := generate(l); got != want {
+		t.Errorf("pipelined: %q, unpipelined %q", got, want)
+	}
+	// The prompt's first round: two chunks of 32 submitted, then awaited.
+	wantLog := []string{"submit 32", "submit 32", "wait", "wait"}
+	if len(l.log) < len(wantLog) || !slices.Equal(l.log[:len(wantLog)], wantLog) {
+		t.Errorf("pipeline saw %v, want it to start %v", l.log, wantLog)
+	}
+	prompt := 0
+	for _, e := range l.log {
+		var n int
+		if _, err := fmt.Sscanf(e, "submit %d", &n); err == nil && n > 1 {
+			prompt += n
+			if n > 32 {
+				t.Errorf("a prompt chunk of %d rows, want at most 32", n)
+			}
+		}
+	}
+	if prompt < len(ids)-1 {
+		t.Errorf("prompt chunks carried %d rows, want the %d-token prompt", prompt, len(ids))
+	}
 }
 
 // TestPipelinedMatchesSequential: with batches split into lanes that are in
 // flight at once, every request still gets exactly its sequential text,
 // also through a failure in the middle.
 func TestPipelinedMatchesSequential(t *testing.T) {
-	prompts := []string{"Once upon a time", "The little dog", "Lily and Tom", "One day, a bird", "The sun was", "Max liked to"}
+	prompts := []string{"Once upon a time", "The little dog", "Lily and Tom", "One day, a bird", "The sun was", "Max liked to", longPrompt}
 	run := func(pipe func(Pipeline) Pipeline) ([]string, Stats) {
 		eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 8, Context: 512})
 		if err != nil {
@@ -471,7 +536,8 @@ func TestPipelinedMatchesSequential(t *testing.T) {
 		}
 		defer eng.Close()
 		tok, _ := ggufstage.LoadTokenizer(storiesPath)
-		s := New(pipe(Local(eng)), tok, Config{Parallel: 8}, nil)
+		// A small batch budget, so that the long prompt goes in chunks.
+		s := New(pipe(Local(eng)), tok, Config{Parallel: 8, BatchTokens: 96}, nil)
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() { s.Run(ctx); close(done) }()
