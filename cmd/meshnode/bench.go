@@ -54,6 +54,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	netnsOnly := fs.Bool("netns-only", false, "with --mesh and --netns-delay: skip the loopback meshes")
 	gpuPerNode := fs.Bool("gpu-per-node", false, "with --mesh: node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES)")
 	profileDir := fs.String("profile-dir", "", "with --mesh: after measuring, save a CPU profile of every node (go tool pprof) decoding at the first and last --streams count into this folder")
+	pipelining := fs.Bool("pipelining", false, "with --mesh: nodes keep one micro-batch in flight per stage (serve --pipelining)")
 	prefill := fs.Int("prefill", 512, "with --mesh: prompt tokens per stream of the prefill measurement; -1 skips it")
 	wire := fs.String("wire-dtype", "", "with --mesh: activations between stages (f16 or f32; default the nodes')")
 	if err := parse(fs, args); err != nil {
@@ -83,6 +84,9 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		}
 		if cfg.Device != "" && cfg.Device != "auto" {
 			mc.NodeArgs = append(mc.NodeArgs, "--device", cfg.Device)
+		}
+		if *pipelining {
+			mc.NodeArgs = append(mc.NodeArgs, "--pipelining")
 		}
 		if *wire != "" {
 			mc.NodeArgs = append(mc.NodeArgs, "--wire-dtype", *wire)
