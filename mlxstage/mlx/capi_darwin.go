@@ -10,8 +10,9 @@ package mlx
 // headers are needed to build.
 //
 // Written against the mlx-c headers whose mlx_quantize takes (mode,
-// global_scale) and returns an mlx_vector_array; those three quantization
-// calls are the ones that changed across mlx-c releases.
+// global_scale) and returns an mlx_vector_array (mlx-c 0.6.0 and later);
+// the quantization calls are the ones that changed across mlx-c releases.
+// mlxstage/README.md says what it was checked against and how to check it.
 
 /*
 #cgo CFLAGS: -I/opt/homebrew/include -I/usr/local/include
