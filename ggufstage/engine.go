@@ -151,7 +151,8 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 	if e.cache == nil {
 		return nil, fmt.Errorf("model %s has no KV cache", meta.Arch())
 	}
-	e.cache.Init(e.backend, opts.KVType, opts.MaxSeqs, opts.Context*opts.MaxSeqs, opts.BatchSize)
+	// Init takes the context of one sequence: it allocates MaxSeqs of them.
+	e.cache.Init(e.backend, opts.KVType, opts.MaxSeqs, opts.Context, opts.BatchSize)
 
 	vocab := 0
 	if v, ok := meta.Get("tokenizer.ggml.tokens"); ok {

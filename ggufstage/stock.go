@@ -69,7 +69,7 @@ func OpenStock(path string, opts Options) (s *Stock, err error) {
 	if kv == ml.DTypeOther {
 		kv = ml.DTypeF16
 	}
-	m.Config().Cache.Init(m.Backend(), kv, opts.MaxSeqs, opts.Context*opts.MaxSeqs, opts.BatchSize)
+	m.Config().Cache.Init(m.Backend(), kv, opts.MaxSeqs, opts.Context, opts.BatchSize) // Context per sequence
 	meta, err := readHeader(path)
 	if err != nil {
 		return nil, err
