@@ -57,9 +57,40 @@ type Engine struct {
 	extra   io.Closer // repacked weight buffers, freed after the backend
 	batch   int
 	closed  bool
+	// broken is the panic that stopped the engine: ollama's cache and
+	// contexts may be half-changed after one, and touching them again can
+	// end the process in a GGML_ASSERT, which no recover catches.
+	broken error
 }
 
 var _ stage.Engine = (*Engine)(nil)
+
+// ErrBroken is returned by every call after one that panicked inside ggml or
+// ollama (an allocation that failed, say): the stage must be reloaded.
+var ErrBroken = errors.New("stage engine unusable after an earlier failure; reload the stage")
+
+// usable says why the engine must not be used; call with e.mu held.
+func (e *Engine) usable() error {
+	switch {
+	case e.closed:
+		return errors.New("stage: engine is closed")
+	case e.broken != nil:
+		return fmt.Errorf("%w: %w", ErrBroken, e.broken)
+	}
+	return nil
+}
+
+// breakOnPanic is recoverErr for calls that change the engine's state: a
+// panic also marks the engine broken. Defer it with e.mu held.
+func (e *Engine) breakOnPanic(err *error, doing string) {
+	if r := recover(); r != nil {
+		e.broken = fmt.Errorf("%s: %v", doing, r)
+		*err = fmt.Errorf("%s: engine panic: %v\n%s", doing, r, debug.Stack())
+	}
+}
+
+// testPanic, when set by a test, is called inside Forward where ggml runs.
+var testPanic func()
 
 // Open loads a stage from a GGUF file that holds (at least) the tensors of
 // layers [start,end): a slice written by Slice, or a whole model.
@@ -271,6 +302,9 @@ func (e *Engine) Open(seq stage.SeqID) error {
 	defer backendMu.RUnlock()
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if err := e.usable(); err != nil {
+		return err
+	}
 	if _, ok := e.slots[seq]; ok {
 		return fmt.Errorf("%w: %d", stage.ErrSeqExists, seq)
 	}
@@ -289,7 +323,10 @@ func (e *Engine) Trim(seq stage.SeqID, pos int32) (err error) {
 	defer backendMu.RUnlock()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	defer recoverErr(&err, "trimming cache")
+	if err := e.usable(); err != nil {
+		return err
+	}
+	defer e.breakOnPanic(&err, "trimming cache")
 	slot, ok := e.slots[seq]
 	if !ok {
 		return fmt.Errorf("%w: %d", stage.ErrUnknownSeq, seq)
@@ -303,7 +340,10 @@ func (e *Engine) Release(seq stage.SeqID) (err error) {
 	defer backendMu.RUnlock()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	defer recoverErr(&err, "releasing cache")
+	if err := e.usable(); err != nil {
+		return err
+	}
+	defer e.breakOnPanic(&err, "releasing cache")
 	slot, ok := e.slots[seq]
 	if !ok {
 		return fmt.Errorf("%w: %d", stage.ErrUnknownSeq, seq)
@@ -324,10 +364,13 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 	defer backendMu.RUnlock()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.closed {
-		return nil, errors.New("stage: engine is closed")
+	if err := e.usable(); err != nil {
+		return nil, err
 	}
-	defer recoverErr(&err, "forward pass")
+	defer e.breakOnPanic(&err, "forward pass")
+	if testPanic != nil {
+		testPanic()
+	}
 
 	slots := make([]int, b.Rows())
 	for r, s := range b.Seqs {

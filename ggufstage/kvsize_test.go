@@ -2,6 +2,8 @@ package ggufstage
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"testing"
 
 	"github.com/meshnode/meshnode/stage"
@@ -43,5 +45,44 @@ func TestKVCacheSize(t *testing.T) {
 			t.Errorf("%d seqs x %d positions: KV cache of %d bytes, want %d (%d cells)", tc.seqs, tc.ctx, got, want, cells)
 		}
 		e.Close()
+	}
+}
+
+// TestBrokenAfterPanic: once a call panics inside the engine, every later
+// call says so instead of running ggml on half-changed state, and Close
+// still works.
+func TestBrokenAfterPanic(t *testing.T) {
+	e, err := Open(storiesPath, 0, 5, Options{Threads: 1, MaxSeqs: 2, Context: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	if err := e.Open(1); err != nil {
+		t.Fatal(err)
+	}
+	b := &stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{0}, Tokens: []int32{1}, Outputs: []int{0}}
+	testPanic = func() { panic("cudaMalloc failed: out of memory") }
+	_, err = e.Forward(context.Background(), b)
+	testPanic = nil
+	if err == nil || !strings.Contains(err.Error(), "engine panic: cudaMalloc failed") {
+		t.Fatalf("forward: %v, want the panic as an error", err)
+	}
+	calls := []struct {
+		name string
+		call func() error
+	}{
+		{"forward", func() error { _, err := e.Forward(context.Background(), b); return err }},
+		{"open", func() error { return e.Open(2) }},
+		{"trim", func() error { return e.Trim(1, 0) }},
+		{"release", func() error { return e.Release(1) }},
+	}
+	for _, c := range calls {
+		err := c.call()
+		if !errors.Is(err, ErrBroken) || !strings.Contains(err.Error(), "out of memory") {
+			t.Errorf("%s after the panic: %v, want ErrBroken naming the cause", c.name, err)
+		}
+	}
+	if err := e.Close(); err != nil {
+		t.Errorf("close: %v", err)
 	}
 }
