@@ -83,7 +83,8 @@ func benchStream(b *testing.B, serve func(net.Listener)) net.Conn {
 	return c
 }
 
-func echo(ln net.Listener) {
+// serveEach accepts connections on ln until it closes, handling each.
+func serveEach(ln net.Listener, handle func(net.Conn)) {
 	for {
 		c, err := ln.Accept()
 		if err != nil {
@@ -91,23 +92,14 @@ func echo(ln net.Listener) {
 		}
 		go func() {
 			defer c.Close()
-			io.Copy(c, c)
+			handle(c)
 		}()
 	}
 }
 
-func discard(ln net.Listener) {
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		go func() {
-			defer c.Close()
-			io.Copy(io.Discard, c)
-		}()
-	}
-}
+func echo(ln net.Listener) { serveEach(ln, func(c net.Conn) { io.Copy(c, c) }) }
+
+func discard(ln net.Listener) { serveEach(ln, func(c net.Conn) { io.Copy(io.Discard, c) }) }
 
 func pingPong(b *testing.B, c net.Conn, size int) {
 	buf := make([]byte, size)

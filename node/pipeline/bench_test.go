@@ -7,18 +7,18 @@ import (
 	"github.com/meshnode/meshnode/stage"
 )
 
+// The sequence, prompt length and last position of BenchmarkDecodeStep.
+const benchSeq, benchPrompt, benchMaxPos = 1, 8, 200
+
 // BenchmarkDecodeStep measures one decode step of one sequence on
 // stories260K, whose layers cost microseconds, so what it reports is the
 // pipeline's own cost per step: framing, gRPC, goroutine hand-offs. The
 // "engine" case is the reference: the same step on one in-process engine.
 func BenchmarkDecodeStep(b *testing.B) {
-	const seq, promptLen, maxPos = 1, 8, 200
+	const seq, promptLen = benchSeq, benchPrompt
 	prompt := make([]int32, promptLen)
 	for i := range prompt {
 		prompt[i] = int32(1 + i)
-	}
-	decode := func(pos int32, tok int32) *stage.Batch {
-		return &stage.Batch{Seqs: []stage.SeqID{seq}, Pos: []int32{pos}, Tokens: []int32{tok}, Outputs: []int{0}}
 	}
 	prefill := &stage.Batch{Outputs: []int{promptLen - 1}}
 	for i, t := range prompt {
@@ -35,20 +35,10 @@ func BenchmarkDecodeStep(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		pos := int32(promptLen)
-		b.ResetTimer()
-		for range b.N {
-			if pos == maxPos {
-				if err := e.Trim(seq, promptLen); err != nil {
-					b.Fatal(err)
-				}
-				pos = promptLen
-			}
-			if toks, _, err = fwd(decode(pos, toks[0])); err != nil {
-				b.Fatal(err)
-			}
-			pos++
-		}
+		decodeLoop(b, toks[0], func(b *stage.Batch) ([]int32, error) {
+			toks, _, err := fwd(b)
+			return toks, err
+		}, func() error { return e.Trim(seq, promptLen) })
 	})
 	for _, tc := range []struct {
 		name   string
@@ -68,20 +58,30 @@ func BenchmarkDecodeStep(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			pos := int32(promptLen)
-			b.ResetTimer()
-			for range b.N {
-				if pos == maxPos {
-					if err := p.Trim(seq, promptLen); err != nil {
-						b.Fatal(err)
-					}
-					pos = promptLen
-				}
-				if toks, err = p.Forward(context.Background(), decode(pos, toks[0])); err != nil {
-					b.Fatal(err)
-				}
-				pos++
-			}
+			decodeLoop(b, toks[0], func(b *stage.Batch) ([]int32, error) {
+				return p.Forward(context.Background(), b)
+			}, func() error { return p.Trim(seq, promptLen) })
 		})
+	}
+}
+
+// decodeLoop times b.N greedy decode steps of one sequence from the token
+// after its prompt, trimming back to the prompt before the context ends.
+func decodeLoop(b *testing.B, tok int32, step func(*stage.Batch) ([]int32, error), trim func() error) {
+	pos := int32(benchPrompt)
+	b.ResetTimer()
+	for range b.N {
+		if pos == benchMaxPos {
+			if err := trim(); err != nil {
+				b.Fatal(err)
+			}
+			pos = benchPrompt
+		}
+		toks, err := step(&stage.Batch{Seqs: []stage.SeqID{benchSeq}, Pos: []int32{pos}, Tokens: []int32{tok}, Outputs: []int{0}})
+		if err != nil {
+			b.Fatal(err)
+		}
+		tok = toks[0]
+		pos++
 	}
 }
