@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"sync"
+	"sync/atomic"
 
 	"github.com/ollama/ollama/kvcache"
 	"github.com/ollama/ollama/ml"
@@ -60,7 +61,8 @@ type Engine struct {
 	// broken is the panic that stopped the engine: ollama's cache and
 	// contexts may be half-changed after one, and touching them again can
 	// end the process in a GGML_ASSERT, which no recover catches.
-	broken error
+	broken    error
+	hasBroken atomic.Bool // broken != nil, readable without waiting for a forward pass
 }
 
 var _ stage.Engine = (*Engine)(nil)
@@ -85,8 +87,23 @@ func (e *Engine) usable() error {
 func (e *Engine) breakOnPanic(err *error, doing string) {
 	if r := recover(); r != nil {
 		e.broken = fmt.Errorf("%s: %v", doing, r)
+		e.hasBroken.Store(true)
 		*err = fmt.Errorf("%s: engine panic: %v\n%s", doing, r, debug.Stack())
 	}
+}
+
+// Broken returns why the engine refuses calls after a panic (wrapping
+// ErrBroken), or nil.
+func (e *Engine) Broken() error {
+	if !e.hasBroken.Load() {
+		return nil // without e.mu, which a long forward pass holds
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.broken == nil {
+		return nil
+	}
+	return fmt.Errorf("%w: %w", ErrBroken, e.broken)
 }
 
 // testPanic, when set by a test, is called inside Forward where ggml runs.

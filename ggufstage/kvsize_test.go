@@ -61,11 +61,17 @@ func TestBrokenAfterPanic(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := &stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{0}, Tokens: []int32{1}, Outputs: []int{0}}
+	if err := e.Broken(); err != nil {
+		t.Fatalf("a fresh engine says it is broken: %v", err)
+	}
 	testPanic = func() { panic("cudaMalloc failed: out of memory") }
 	_, err = e.Forward(context.Background(), b)
 	testPanic = nil
 	if err == nil || !strings.Contains(err.Error(), "engine panic: cudaMalloc failed") {
 		t.Fatalf("forward: %v, want the panic as an error", err)
+	}
+	if err := e.Broken(); !errors.Is(err, ErrBroken) {
+		t.Errorf("Broken() = %v after the panic, want ErrBroken", err)
 	}
 	calls := []struct {
 		name string

@@ -3,6 +3,7 @@ package node
 import (
 	"github.com/meshnode/meshnode/mlxstage/mlx"
 	"github.com/meshnode/meshnode/mlxstage/ops"
+	"github.com/meshnode/meshnode/stage"
 )
 
 // EmulateMLX turns the test hook on in cfg: the node offers the mlx engine
@@ -14,5 +15,12 @@ func EmulateMLX(cfg Config) Config {
 		be, _ := mlx.Emulated()
 		return be, nil
 	}
+	return cfg
+}
+
+// BreakStage makes the node ask broken, instead of its stage's engine,
+// whether the stage broke (as ggufstage's does after a panic in ggml).
+func BreakStage(cfg Config, broken func() error) Config {
+	cfg.stageBroken = func(stage.Engine) error { return broken() }
 	return cfg
 }

@@ -89,6 +89,22 @@ type mesh struct {
 	// mlxDevice is where this node runs MLX stages ("metal", or
 	// "emulated" under the test hook); "" when it cannot run them.
 	mlxDevice string
+
+	lastReload time.Time // when a broken stage was last dropped for reloading
+}
+
+// reloadBackoff spaces reloads of a stage that keeps breaking (an
+// allocation that fails every time, say), so that the node does not spend
+// its life loading.
+var reloadBackoff = 30 * time.Second
+
+// brokenErr says why an engine can no longer run (ggufstage.ErrBroken
+// after a panic inside ggml), or nil.
+func brokenErr(e stage.Engine) error {
+	if b, ok := e.(interface{ Broken() error }); ok {
+		return b.Broken()
+	}
+	return nil
 }
 
 // meshModel is the model the mesh serves.
@@ -898,6 +914,7 @@ func (m *mesh) reconcile(ctx context.Context) {
 
 	// Serve our share.
 	want, serving := plan.StageOf(m.self)
+	m.reloadIfBroken()
 	m.mu.Lock()
 	draining, local := m.draining, m.local
 	m.mu.Unlock()
@@ -1052,6 +1069,29 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 }
 
 // dropStage stops serving a layer range.
+// reloadIfBroken drops the local stage when its engine broke, so that
+// applyStage loads it afresh: requests on it fail until then, and the
+// node would otherwise keep a dead stage for good.
+func (m *mesh) reloadIfBroken() {
+	m.mu.Lock()
+	local := m.local
+	m.mu.Unlock()
+	if local == nil || time.Since(m.lastReload) < reloadBackoff {
+		return
+	}
+	isBroken := brokenErr
+	if m.cfg.stageBroken != nil {
+		isBroken = m.cfg.stageBroken
+	}
+	err := isBroken(local.engine)
+	if err == nil {
+		return
+	}
+	m.lastReload = time.Now()
+	m.event("error", "layers [%d,%d) broke and are reloaded: %v", local.start, local.end, err)
+	m.dropStage(local)
+}
+
 func (m *mesh) dropStage(cur *localStage) {
 	m.mux.set(nil)
 	m.mu.Lock()

@@ -88,6 +88,10 @@ type Config struct {
 	// mlx.Emulated), so that serving safetensors models is tested on
 	// Linux; a real node never falls back to a slow Go backend by itself.
 	mlxBackend func() (ops.Backend, error)
+
+	// stageBroken, when set, replaces asking the local stage's engine
+	// whether it is broken (brokenErr); only tests set it.
+	stageBroken func(stage.Engine) error
 }
 
 // mlxDevice is where this node would run MLX stages ("metal", "emulated"
