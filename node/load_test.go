@@ -10,7 +10,6 @@ package node_test
 // After both nodes stop, goleak checks that nothing they started is left.
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -31,6 +30,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/meshnode/meshnode/node"
+	"github.com/meshnode/meshnode/node/internal/sse"
 	"github.com/meshnode/meshnode/stage"
 )
 
@@ -155,27 +155,7 @@ func streamOnce(ctx context.Context, hc *http.Client, url string, c loadCase, wa
 		text, finish string
 		u            *usage
 	)
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		line := sc.Text()
-		if line == "" {
-			continue
-		}
-		data, ok := strings.CutPrefix(line, "data: ")
-		if !ok {
-			return fmt.Errorf("%v: stream line %q", c, line)
-		}
-		if data == "[DONE]" {
-			switch {
-			case text != want.text:
-				return fmt.Errorf("%v: text differs from the greedy reference:\n got %q\nwant %q", c, text, want.text)
-			case finish != want.finish:
-				return fmt.Errorf("%v: finish_reason %q, want %q", c, finish, want.finish)
-			case u == nil || *u != (usage{len(want.prompt), len(want.ids), len(want.prompt) + len(want.ids)}):
-				return fmt.Errorf("%v: usage %+v, want prompt %d completion %d", c, u, len(want.prompt), len(want.ids))
-			}
-			return nil
-		}
+	err = sse.Each(resp.Body, func(data []byte) error {
 		var ev struct {
 			Choices []struct {
 				Text         string  `json:"text"`
@@ -187,11 +167,11 @@ func streamOnce(ctx context.Context, hc *http.Client, url string, c loadCase, wa
 			Usage *usage          `json:"usage"`
 			Error json.RawMessage `json:"error"`
 		}
-		if err := json.Unmarshal([]byte(data), &ev); err != nil {
-			return fmt.Errorf("%v: event %q: %w", c, data, err)
+		if err := json.Unmarshal(data, &ev); err != nil {
+			return fmt.Errorf("event %q: %w", data, err)
 		}
 		if ev.Error != nil {
-			return fmt.Errorf("%v: error event after %q: %s", c, text, ev.Error)
+			return fmt.Errorf("error event after %q: %s", text, ev.Error)
 		}
 		if ev.Usage != nil {
 			u = ev.Usage
@@ -202,11 +182,19 @@ func streamOnce(ctx context.Context, hc *http.Client, url string, c loadCase, wa
 				finish = *ch.FinishReason
 			}
 		}
-	}
-	if err := sc.Err(); err != nil {
+		return nil
+	})
+	switch {
+	case err != nil:
 		return fmt.Errorf("%v: stream after %q: %w", c, text, err)
+	case text != want.text:
+		return fmt.Errorf("%v: text differs from the greedy reference:\n got %q\nwant %q", c, text, want.text)
+	case finish != want.finish:
+		return fmt.Errorf("%v: finish_reason %q, want %q", c, finish, want.finish)
+	case u == nil || *u != (usage{len(want.prompt), len(want.ids), len(want.prompt) + len(want.ids)}):
+		return fmt.Errorf("%v: usage %+v, want prompt %d completion %d", c, u, len(want.prompt), len(want.ids))
 	}
-	return fmt.Errorf("%v: stream ended without [DONE] after %q", c, text)
+	return nil
 }
 
 // rejected checks that a 429 is the documented one: Retry-After in whole

@@ -6,10 +6,10 @@ package node_test
 // nodes that offer that engine.
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"maps"
 	"net/http"
@@ -26,6 +26,7 @@ import (
 	"github.com/meshnode/meshnode/mlxstage/safetensors"
 	"github.com/meshnode/meshnode/mlxstage/synthst"
 	"github.com/meshnode/meshnode/node"
+	"github.com/meshnode/meshnode/node/internal/sse"
 	"github.com/meshnode/meshnode/stage"
 )
 
@@ -203,20 +204,16 @@ func generateAt(t *testing.T, url, model, path string, req map[string]any) resul
 		add(c)
 		return r
 	}
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok || data == "[DONE]" {
-			continue
-		}
+	err = sse.Each(resp.Body, func(data []byte) error {
 		var c chunk
-		if err := json.Unmarshal([]byte(data), &c); err != nil {
-			t.Fatalf("event %q: %v", data, err)
+		if err := json.Unmarshal(data, &c); err != nil {
+			return fmt.Errorf("event %q: %v", data, err)
 		}
 		r.chunks++
 		add(c)
-	}
-	if err := sc.Err(); err != nil {
+		return nil
+	})
+	if err != nil {
 		t.Fatal(err)
 	}
 	return r

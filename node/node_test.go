@@ -29,6 +29,7 @@ import (
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/node"
+	"github.com/meshnode/meshnode/node/internal/sse"
 	"github.com/meshnode/meshnode/node/openai"
 	"github.com/meshnode/meshnode/stage"
 )
@@ -350,48 +351,36 @@ func generate(ctx context.Context, path string, req map[string]any) (result, err
 	if so, ok := req["stream_options"].(map[string]any); ok {
 		includeUsage, _ = so["include_usage"].(bool)
 	}
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		line := sc.Text()
-		if line == "" {
-			continue
-		}
-		data, ok := strings.CutPrefix(line, "data: ")
-		if !ok {
-			return r, fmt.Errorf("stream line %q", line)
-		}
-		if data == "[DONE]" {
-			return r, nil
-		}
+	err = sse.Each(resp.Body, func(data []byte) error {
 		r.chunks++
 		var o object
-		if err := json.Unmarshal([]byte(data), &o); err != nil {
-			return r, fmt.Errorf("event %q: %v", data, err)
+		if err := json.Unmarshal(data, &o); err != nil {
+			return fmt.Errorf("event %q: %v", data, err)
 		}
 		if o.Error != nil {
-			return r, fmt.Errorf("error event after %q: %s", r.text, o.Error)
+			return fmt.Errorf("error event after %q: %s", r.text, o.Error)
 		}
 		// OpenAI's include_usage: usage is null on every chunk but a last
 		// one with no choices; without it, usage is absent.
 		switch {
 		case !includeUsage && o.Usage != nil:
-			return r, fmt.Errorf("usage in a stream without include_usage: %s", data)
+			return fmt.Errorf("usage in a stream without include_usage: %s", data)
 		case includeUsage && len(o.Choices) > 0 && string(o.Usage) != "null":
-			return r, fmt.Errorf("chunk with choices has usage %s", o.Usage)
+			return fmt.Errorf("chunk with choices has usage %s", o.Usage)
 		case includeUsage && len(o.Choices) == 0:
 			if r.finish == "" || r.usage != nil {
-				return r, fmt.Errorf("usage chunk out of place: %s", data)
+				return fmt.Errorf("usage chunk out of place: %s", data)
 			}
 			if err := json.Unmarshal(o.Usage, &r.usage); err != nil {
-				return r, fmt.Errorf("usage %s: %v", o.Usage, err)
+				return fmt.Errorf("usage %s: %v", o.Usage, err)
 			}
-			continue
+			return nil
 		}
 		if len(o.Choices) != 1 {
-			return r, fmt.Errorf("chunk %s", data)
+			return fmt.Errorf("chunk %s", data)
 		}
 		if r.finish != "" {
-			return r, fmt.Errorf("chunk after the finish chunk: %s", data)
+			return fmt.Errorf("chunk after the finish chunk: %s", data)
 		}
 		c := o.Choices[0]
 		if chat && c.Delta.Content != nil {
@@ -402,11 +391,9 @@ func generate(ctx context.Context, path string, req map[string]any) (result, err
 		if c.FinishReason != nil {
 			r.finish = *c.FinishReason
 		}
-	}
-	if err := sc.Err(); err != nil {
-		return r, err
-	}
-	return r, errors.New("stream ended without [DONE]")
+		return nil
+	})
+	return r, err
 }
 
 func (e *apiError) Error() string {

@@ -32,6 +32,7 @@ import (
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/node"
 	"github.com/meshnode/meshnode/node/internal/netdelay"
+	"github.com/meshnode/meshnode/node/internal/sse"
 )
 
 // MeshConfig of a mesh benchmark.
@@ -1073,28 +1074,15 @@ func runStream(ctx context.Context, client *http.Client, url, key string, body [
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		return r, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(msg)))
 	}
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 4<<20)
 	usage := -1
-	done := false
-	for sc.Scan() {
+	err = sse.Each(resp.Body, func(data []byte) error {
 		now := time.Now()
-		line := sc.Bytes()
-		data, ok := bytes.CutPrefix(line, []byte("data:"))
-		if !ok {
-			continue // blank separators, comments
-		}
-		data = bytes.TrimSpace(data)
-		if string(data) == "[DONE]" {
-			done = true
-			break
-		}
 		var c streamChunk
 		if err := json.Unmarshal(data, &c); err != nil {
-			return r, fmt.Errorf("bad event %q: %w", data, err)
+			return fmt.Errorf("bad event %q: %w", data, err)
 		}
 		if c.Error != nil {
-			return r, fmt.Errorf("server error mid-stream: %s", c.Error.Message)
+			return fmt.Errorf("server error mid-stream: %s", c.Error.Message)
 		}
 		for _, ch := range c.Choices {
 			r.text += ch.Text
@@ -1111,12 +1099,10 @@ func runStream(ctx context.Context, client *http.Client, url, key string, body [
 		if c.Usage != nil {
 			usage = c.Usage.CompletionTokens
 		}
-	}
-	if err := sc.Err(); err != nil {
+		return nil
+	})
+	if err != nil {
 		return r, err
-	}
-	if !done {
-		return r, errors.New("the stream ended without [DONE]")
 	}
 	if r.end.IsZero() || len(r.chunks) == 0 {
 		return r, errors.New("the stream carried no text or no finish_reason")

@@ -16,6 +16,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/meshnode/meshnode/node/internal/sse"
 )
 
 // streamClient has no overall timeout: a stream lasts as long as its
@@ -69,17 +71,7 @@ func streamComplete(ctx context.Context, n *meshNode, model, prompt string, maxT
 		return r
 	}
 	var text strings.Builder
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		line, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok {
-			continue
-		}
-		if line == "[DONE]" {
-			r.text = text.String()
-			return r
-		}
+	err = sse.Each(resp.Body, func(data []byte) error {
 		var ev struct {
 			Choices []struct {
 				Text         string  `json:"text"`
@@ -92,14 +84,11 @@ func streamComplete(ctx context.Context, n *meshNode, model, prompt string, maxT
 				Message string `json:"message"`
 			} `json:"error"`
 		}
-		if err := json.Unmarshal([]byte(line), &ev); err != nil {
-			r.err = fmt.Errorf("event %q: %w", line, err)
-			return r
+		if err := json.Unmarshal(data, &ev); err != nil {
+			return fmt.Errorf("event %q: %w", data, err)
 		}
 		if ev.Error != nil {
-			r.err = fmt.Errorf("error event after %d pieces: %s", len(r.arrivals), ev.Error.Message)
-			r.text = text.String()
-			return r
+			return fmt.Errorf("error event after %d pieces: %s", len(r.arrivals), ev.Error.Message)
 		}
 		if ev.Usage != nil {
 			r.tokens = ev.Usage.CompletionTokens
@@ -116,9 +105,12 @@ func streamComplete(ctx context.Context, n *meshNode, model, prompt string, maxT
 				r.finish = *c.FinishReason
 			}
 		}
-	}
+		return nil
+	})
 	r.text = text.String()
-	r.err = fmt.Errorf("stream ended without [DONE] after %d pieces: %w", len(r.arrivals), errors.Join(sc.Err(), ctx.Err()))
+	if err != nil {
+		r.err = fmt.Errorf("after %d pieces: %w", len(r.arrivals), errors.Join(err, ctx.Err()))
+	}
 	return r
 }
 
