@@ -111,7 +111,7 @@ func New(ctx context.Context, cfg Config) (*Host, error) {
 		addrs = append(addrs, a)
 	}
 
-	g := &guard{log: log, allow: cfg.Allow, proofKey: cfg.MeshKey.derive("conn proof v1", 32)}
+	g := newGuard(cfg.MeshKey, cfg.Allow, log)
 	// Reuseport off: with SO_REUSEPORT a second node on the same machine would
 	// silently share port 4001 (the kernel splits connections between them)
 	// instead of falling back to a free port.
@@ -120,7 +120,6 @@ func New(ctx context.Context, cfg Config) (*Host, error) {
 	}
 	h, err := libp2p.New(
 		libp2p.Identity(key),
-		libp2p.PrivateNetwork(cfg.MeshKey.PSK()),
 		libp2p.Transport(newTCP),
 		libp2p.ConnectionGater(gater{g: g}),
 		libp2p.NoListenAddrs, // listen below, one address at a time, to fall back per address

@@ -107,8 +107,8 @@ func TestMeshKeyText(t *testing.T) {
 	if len(multistreamHello) != proofLen {
 		t.Errorf("multistream hello is %d bytes, proof %d: plain peers would not be recognized", len(multistreamHello), proofLen)
 	}
-	if gk := k.GossipKey(); string(k.PSK()) == string(gk[:]) {
-		t.Error("PSK and gossip key are not independent")
+	if gk := k.GossipKey(); string(k.derive("link v2", 32)) == string(gk[:]) {
+		t.Error("link and gossip keys are not independent")
 	}
 }
 

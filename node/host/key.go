@@ -16,7 +16,6 @@ import (
 	"strings"
 
 	"github.com/libp2p/go-libp2p/core/crypto"
-	"github.com/libp2p/go-libp2p/core/pnet"
 )
 
 // File names inside a node's data directory.
@@ -63,8 +62,8 @@ func LoadOrCreateKey(dataDir string) (crypto.PrivKey, error) {
 }
 
 // MeshKey is the shared secret of one mesh. Every key a mesh uses on the wire
-// (the libp2p private-network PSK, the gossip encryption key, the mDNS service
-// tag) is derived from it with HKDF under a distinct label, so no derived key
+// (the connection proof and link cipher keys, the gossip encryption key, the
+// mDNS service tag) is derived from it with HKDF under a distinct label, so no derived key
 // reveals another or the mesh key itself.
 type MeshKey [32]byte
 
@@ -130,10 +129,6 @@ func (k MeshKey) derive(label string, n int) []byte {
 	}
 	return out
 }
-
-// PSK is the libp2p private-network key: without it a TCP connection to a
-// mesh node cannot get past the first bytes.
-func (k MeshKey) PSK() pnet.PSK { return pnet.PSK(k.derive("pnet v1", 32)) }
 
 // GossipKey is the AES-256 key for memberlist's gossip encryption.
 func (k MeshKey) GossipKey() [32]byte {
