@@ -6,7 +6,6 @@ package bench
 // ratio to the 1-stage row is what splitting costs (or gains) here.
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"crypto/rand"
@@ -28,6 +27,9 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/node"
@@ -467,38 +469,27 @@ func (m *meshRun) timings(ctx context.Context) []sums {
 	return out
 }
 
-// parseSums reads the _sum and _count lines of the pipeline-step and
-// stage-compute histograms from the Prometheus text format.
+// parseSums reads the sums and counts of the pipeline-step and
+// stage-compute histograms from the Prometheus text format; unreadable
+// text reads as no histograms.
 func parseSums(r io.Reader) sums {
 	s := sums{}
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		for _, name := range []string{"meshnode_pipeline_step_seconds", "meshnode_stage_compute_seconds"} {
-			rest, ok := strings.CutPrefix(line, name)
-			if !ok {
-				continue
-			}
-			idx := 0
-			if r2, ok := strings.CutPrefix(rest, "_sum"); ok {
-				rest = r2
-			} else if r2, ok := strings.CutPrefix(rest, "_count"); ok {
-				rest, idx = r2, 1
-			} else {
-				continue
-			}
-			if strings.HasPrefix(rest, "{") {
-				_, rest, _ = strings.Cut(rest, "} ")
-			}
-			v, err := strconv.ParseFloat(strings.TrimSpace(rest), 64)
-			if err != nil {
-				continue
-			}
-			e := s[name]
-			e[idx] += v
-			s[name] = e
+	parser := expfmt.NewTextParser(model.LegacyValidation)
+	fams, err := parser.TextToMetricFamilies(r)
+	if err != nil {
+		return s
+	}
+	for _, name := range []string{"meshnode_pipeline_step_seconds", "meshnode_stage_compute_seconds"} {
+		fam, ok := fams[name]
+		if !ok {
+			continue
 		}
+		var e [2]float64
+		for _, m := range fam.GetMetric() {
+			e[0] += m.GetHistogram().GetSampleSum()
+			e[1] += float64(m.GetHistogram().GetSampleCount())
+		}
+		s[name] = e
 	}
 	return s
 }
@@ -760,7 +751,12 @@ func (m *meshRun) wait(ctx context.Context, deadline time.Time, what string) err
 }
 
 func (m *meshRun) get(ctx context.Context, url string) (*http.Response, error) {
-	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	return m.getWithin(ctx, url, 5*time.Second)
+}
+
+// getWithin GETs url from a node, with the API key, within timeout.
+func (m *meshRun) getWithin(ctx context.Context, url string, timeout time.Duration) (*http.Response, error) {
+	rctx, cancel := context.WithTimeout(ctx, timeout)
 	req, err := http.NewRequestWithContext(rctx, http.MethodGet, url, nil)
 	if err != nil {
 		cancel()
@@ -826,14 +822,7 @@ func (m *meshRun) profile(ctx context.Context, api, model string, n int, tokens 
 
 // fetch saves what a GET of url returns into path.
 func (m *meshRun) fetch(ctx context.Context, url, path string) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return err
-	}
-	if m.nw.apiKey != "" {
-		req.Header.Set("Authorization", "Bearer "+m.nw.apiKey)
-	}
-	resp, err := m.client.Do(req)
+	resp, err := m.getWithin(ctx, url, profileSeconds*time.Second+time.Minute)
 	if err != nil {
 		return err
 	}

@@ -5,7 +5,6 @@ import (
 	"context"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
@@ -33,11 +32,7 @@ func TestMeshNetnsDelay(t *testing.T) {
 	if _, err := os.Stat(meshTestModel); err != nil {
 		t.Skipf("no test model: %v", err)
 	}
-	bin := filepath.Join(t.TempDir(), "meshnode")
-	build := exec.Command("go", "build", "-tags", "repack", "-o", bin, "github.com/meshnode/meshnode/cmd/meshnode")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building meshnode: %v\n%s", err, out)
-	}
+	bin := buildMeshnode(t)
 	for _, tc := range []struct {
 		name   string
 		delay  time.Duration

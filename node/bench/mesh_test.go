@@ -15,6 +15,17 @@ import (
 
 const meshTestModel = "../../../shared/models/stories260K.gguf"
 
+// buildMeshnode builds the binary that a test mesh's nodes run.
+func buildMeshnode(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "meshnode")
+	build := exec.Command("go", "build", "-tags", "repack", "-o", bin, "github.com/meshnode/meshnode/cmd/meshnode")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building meshnode: %v\n%s", err, out)
+	}
+	return bin
+}
+
 // TestMeshLoopback forms meshes of 1 and 2 processes on stories260K and
 // measures a few tokens through node 1's API.
 func TestMeshLoopback(t *testing.T) {
@@ -24,11 +35,7 @@ func TestMeshLoopback(t *testing.T) {
 	if _, err := os.Stat(meshTestModel); err != nil {
 		t.Skipf("no test model: %v", err)
 	}
-	bin := filepath.Join(t.TempDir(), "meshnode")
-	build := exec.Command("go", "build", "-tags", "repack", "-o", bin, "github.com/meshnode/meshnode/cmd/meshnode")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building meshnode: %v\n%s", err, out)
-	}
+	bin := buildMeshnode(t)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -161,11 +168,15 @@ func TestStepBreakdown(t *testing.T) {
 		return fmt.Sprintf(`# HELP meshnode_pipeline_step_seconds Forward passes.
 # TYPE meshnode_pipeline_step_seconds histogram
 meshnode_pipeline_step_seconds_bucket{le="0.0002"} 0
-meshnode_pipeline_step_seconds_sum %g
-meshnode_pipeline_step_seconds_count %g
-meshnode_stage_compute_seconds_bucket{stage="0-2",le="+Inf"} 9
-meshnode_stage_compute_seconds_sum{stage="0-2"} %g
-meshnode_stage_compute_seconds_count{stage="0-2"} %g
+meshnode_pipeline_step_seconds_bucket{le="+Inf"} %[2]g
+meshnode_pipeline_step_seconds_sum %[1]g
+meshnode_pipeline_step_seconds_count %[2]g
+# HELP meshnode_stage_compute_seconds Stage forward passes.
+# TYPE meshnode_stage_compute_seconds histogram
+meshnode_stage_compute_seconds_bucket{stage="0-2",le="+Inf"} %[4]g
+meshnode_stage_compute_seconds_sum{stage="0-2"} %[3]g
+meshnode_stage_compute_seconds_count{stage="0-2"} %[4]g
+# TYPE meshnode_stage_tokens_total counter
 meshnode_stage_tokens_total{stage="0-2",kind="input"} 12
 `, step, stepN, compute, computeN)
 	}
