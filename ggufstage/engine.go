@@ -58,11 +58,12 @@ type Engine struct {
 	extra   io.Closer // repacked weight buffers, freed after the backend
 	batch   int
 	closed  bool
-	// broken is the panic that stopped the engine: ollama's cache and
-	// contexts may be half-changed after one, and touching them again can
-	// end the process in a GGML_ASSERT, which no recover catches.
-	broken    error
-	hasBroken atomic.Bool // broken != nil, readable without waiting for a forward pass
+	// broken holds the error (wrapping ErrBroken) of the panic that
+	// stopped the engine: ollama's cache and contexts may be half-changed
+	// after one, and touching them again can end the process in a
+	// GGML_ASSERT, which no recover catches. Atomic, so that Broken need
+	// not wait for a forward pass.
+	broken atomic.Value
 }
 
 var _ stage.Engine = (*Engine)(nil)
@@ -76,34 +77,24 @@ func (e *Engine) usable() error {
 	switch {
 	case e.closed:
 		return errors.New("stage: engine is closed")
-	case e.broken != nil:
-		return fmt.Errorf("%w: %w", ErrBroken, e.broken)
 	}
-	return nil
+	return e.Broken()
 }
 
 // breakOnPanic is recoverErr for calls that change the engine's state: a
 // panic also marks the engine broken. Defer it with e.mu held.
 func (e *Engine) breakOnPanic(err *error, doing string) {
 	if r := recover(); r != nil {
-		e.broken = fmt.Errorf("%s: %v", doing, r)
-		e.hasBroken.Store(true)
-		*err = fmt.Errorf("%s: engine panic: %v\n%s", doing, r, debug.Stack())
+		e.broken.Store(fmt.Errorf("%w: %s: %v", ErrBroken, doing, r))
+		*err = panicError(doing, r)
 	}
 }
 
 // Broken returns why the engine refuses calls after a panic (wrapping
 // ErrBroken), or nil.
 func (e *Engine) Broken() error {
-	if !e.hasBroken.Load() {
-		return nil // without e.mu, which a long forward pass holds
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.broken == nil {
-		return nil
-	}
-	return fmt.Errorf("%w: %w", ErrBroken, e.broken)
+	err, _ := e.broken.Load().(error)
+	return err
 }
 
 // testPanic, when set by a test, is called inside Forward where ggml runs.
@@ -303,8 +294,13 @@ func compute(gctx ml.Context, t ml.Tensor) []float32 {
 // failures (out of memory, bad shapes) by panicking.
 func recoverErr(err *error, doing string) {
 	if r := recover(); r != nil {
-		*err = fmt.Errorf("%s: engine panic: %v\n%s", doing, r, debug.Stack())
+		*err = panicError(doing, r)
 	}
+}
+
+// panicError is the error of a recovered panic r, with the stack.
+func panicError(doing string, r any) error {
+	return fmt.Errorf("%s: engine panic: %v\n%s", doing, r, debug.Stack())
 }
 
 // Info describes the stage.
