@@ -181,10 +181,12 @@ type seq struct {
 	recoveries int
 	replayed   int // tokens re-fed by replays, not counted as prompt again
 
-	lane int  // micro-batch group when pipelining
-	busy bool // in a batch that is in flight
-	sent int  // tokens past fed in batches still in flight (pipelined prompt chunks)
+	lane int // micro-batch group when pipelining
+	sent int // tokens past fed in batches still in flight
 }
+
+// busy says whether the sequence is in a batch that is in flight.
+func (q *seq) busy() bool { return q.sent > 0 }
 
 // pending is the number of tokens to feed before the next token can be
 // sampled: the prompt (or, after a replay, the whole history), then one.
@@ -359,7 +361,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 }
 
 func (s *Scheduler) dropIfGone(q *seq) bool {
-	if q.ctx.Err() == nil || q.busy {
+	if q.ctx.Err() == nil || q.busy() {
 		return false
 	}
 	s.finish(q, Event{Err: q.ctx.Err()})
@@ -433,7 +435,7 @@ func (s *Scheduler) replay(group []*seq, err error) (replay []*seq) {
 	s.stats.Replays += uint64(len(group))
 	s.mu.Unlock()
 	for _, q := range group {
-		q.busy, q.sent = false, 0
+		q.sent = 0
 		if q.opened {
 			s.pipe.Release(q.id) // best effort: the old pipeline may be gone
 			q.opened = false
@@ -460,7 +462,6 @@ func (s *Scheduler) apply(group []*seq, take []int, outs []*seq, toks []int32) [
 		}
 		q.fed += take[i]
 		q.sent -= take[i]
-		q.busy = q.sent > 0
 	}
 	s.mu.Lock()
 	s.stats.PromptTokens += prompt
@@ -502,7 +503,7 @@ func (s *Scheduler) stepPipelined(ctx context.Context, sub Submitter, active []*
 		var group []*seq
 		decoding := 0
 		for _, q := range active {
-			if q.lane%lanes == lane && !q.busy {
+			if q.lane%lanes == lane && !q.busy() {
 				group = append(group, q)
 				if !q.prefilling() {
 					decoding++
@@ -518,11 +519,6 @@ func (s *Scheduler) stepPipelined(ctx context.Context, sub Submitter, active []*
 			b, take, outs := s.build(group, budget)
 			if b.Rows() == 0 {
 				break
-			}
-			for i, q := range group {
-				if take[i] > 0 {
-					q.busy = true
-				}
 			}
 			wait, err := sub.Submit(ctx, b)
 			if err != nil {
