@@ -120,19 +120,26 @@ func setns(f *os.File) error {
 	return unix.Setns(int(f.Fd()), unix.CLONE_NEWNET)
 }
 
+// needNetns skips a test that creates network namespaces unless it runs as
+// root and has the tools.
+func needNetns(t *testing.T, tools ...string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces")
+	}
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("needs %s: %v", tool, err)
+		}
+	}
+}
+
 // TestMeshDelaysBetweenNamespaces builds three namespaces with delay
 // relays and checks, for connections each way between them, that they
 // cross the relay (the server sees the bridge's address, not the
 // dialer's) and that each direction takes the pair's delay.
 func TestMeshDelaysBetweenNamespaces(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to create network namespaces")
-	}
-	for _, tool := range []string{"ip", "nft"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("needs %s: %v", tool, err)
-		}
-	}
+	needNetns(t, "ip", "nft")
 	const n = 3
 	tnUp(t, n)
 	// Every node serves pings on the relayed port, before the relays.
@@ -207,14 +214,7 @@ func TestMeshDelaysBetweenNamespaces(t *testing.T) {
 
 // Netem either works or says that the kernel lacks it.
 func TestNetemReportsMissingQdisc(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root")
-	}
-	for _, tool := range []string{"ip", "tc"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("needs %s: %v", tool, err)
-		}
-	}
+	needNetns(t, "ip", "tc")
 	tnUp(t, 1)
 	err := Netem(context.Background(), tnNS(1), tnLink(1)+"n", time.Millisecond)
 	switch {
