@@ -15,6 +15,7 @@ import (
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/ollama/ollama/kvcache"
 	"github.com/ollama/ollama/ml"
@@ -64,7 +65,32 @@ type Engine struct {
 	// GGML_ASSERT, which no recover catches. Atomic, so that Broken need
 	// not wait for a forward pass.
 	broken atomic.Value
+	phases phaseClock
 }
+
+// Phases is where an engine's forward passes spent their time, summed
+// since it loaded. On a GPU the split tells host overhead (Graph, Launch)
+// from device work (Wait); on a CPU ggml computes inside Launch.
+type Phases struct {
+	Passes uint64
+	Graph  time.Duration // building the graph in Go, placing the batch in the KV cache, freeing the context
+	Launch time.Duration // ggml's scheduler: splitting, allocating, copying inputs, queueing the graph
+	Wait   time.Duration // waiting for the backend to finish and reading the result back
+}
+
+// phaseClock accumulates Phases without a lock: Phases is read by
+// metrics scrapes while a pass runs.
+type phaseClock struct {
+	passes, graph, launch, wait atomic.Int64
+}
+
+func (c *phaseClock) read() Phases {
+	return Phases{Passes: uint64(c.passes.Load()), Graph: time.Duration(c.graph.Load()),
+		Launch: time.Duration(c.launch.Load()), Wait: time.Duration(c.wait.Load())}
+}
+
+// Phases reports where forward passes spent their time.
+func (e *Engine) Phases() Phases { return e.phases.read() }
 
 var _ stage.Engine = (*Engine)(nil)
 
@@ -282,12 +308,18 @@ var backendMu sync.RWMutex
 // once on it corrupt each other's results.
 var computeMu sync.Mutex
 
-// compute runs the graph ending in t and reads t back.
-func compute(gctx ml.Context, t ml.Tensor) []float32 {
+// compute runs the graph ending in t and reads t back, adding the time
+// to queue the graph and the time to wait for it to c.
+func compute(gctx ml.Context, t ml.Tensor, c *phaseClock) []float32 {
 	computeMu.Lock()
 	defer computeMu.Unlock()
+	start := time.Now()
 	gctx.Forward(t).Compute(t)
-	return t.Floats()
+	queued := time.Now()
+	floats := t.Floats()
+	c.launch.Add(int64(queued.Sub(start)))
+	c.wait.Add(int64(time.Since(queued)))
+	return floats
 }
 
 // recoverErr turns a panic from ggml or ollama into an error: ggml reports
@@ -394,8 +426,14 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 		slots[r] = slot
 	}
 
+	start := time.Now()
 	gctx := e.backend.NewContext()
-	defer gctx.Close()
+	var inCompute time.Duration
+	defer func() {
+		gctx.Close()
+		e.phases.graph.Add(int64(time.Since(start) - inCompute))
+		e.phases.passes.Add(1)
+	}()
 
 	n := b.Rows()
 	batch := input.Batch{Positions: b.Pos, Sequences: slots}
@@ -432,7 +470,9 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 	if last {
 		h = e.arch.head(gctx, h)
 	}
-	floats := compute(gctx, h)
+	computeStart := time.Now()
+	floats := compute(gctx, h, &e.phases)
+	inCompute = time.Since(computeStart)
 
 	out = &stage.Output{}
 	switch {

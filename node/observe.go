@@ -175,9 +175,13 @@ type observedEngine struct {
 	compute  *admin.Window // ms per pass
 	forwards atomic.Uint64
 
-	mu  sync.Mutex
-	pos map[stage.SeqID]int32
+	mu     sync.Mutex
+	pos    map[stage.SeqID]int32
+	phases ggufstage.Phases // the engine's totals at the last pass
 }
+
+// phased is an engine that says where its passes spend their time.
+type phased interface{ Phases() ggufstage.Phases }
 
 func (o *observer) wrapEngine(e stage.Engine, mem stage.Memory) *observedEngine {
 	info := e.Info()
@@ -205,6 +209,12 @@ func (e *observedEngine) Forward(ctx context.Context, b *stage.Batch) (*stage.Ou
 		if p := b.Pos[r] + 1; p > e.pos[s] {
 			e.pos[s] = p
 		}
+	}
+	if pe, ok := e.Engine.(phased); ok {
+		now := pe.Phases()
+		last := e.phases
+		e.phases = now
+		e.o.metrics.StagePhases(e.label, now.Graph-last.Graph, now.Launch-last.Launch, now.Wait-last.Wait)
 	}
 	e.mu.Unlock()
 	return out, nil

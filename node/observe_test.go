@@ -107,6 +107,25 @@ func TestMetricsMove(t *testing.T) {
 	if d := delta("meshnode_stage_compute_seconds"); d < float64(completion) {
 		t.Errorf("stage_compute_seconds observed %v more times for %d tokens", d, completion)
 	}
+	// The engine's phases are parts of the stage's passes: each moved, and
+	// together they are no more than the passes took.
+	var phases float64
+	for _, phase := range []string{"graph", "launch", "wait"} {
+		d := delta("meshnode_stage_phase_seconds_total", "phase", phase)
+		if d <= 0 {
+			t.Errorf("stage_phase_seconds_total{phase=%s} moved by %v", phase, d)
+		}
+		phases += d
+	}
+	computeSum := func(fams map[string]*dto.MetricFamily) (s float64) {
+		for _, m := range fams["meshnode_stage_compute_seconds"].GetMetric() {
+			s += m.GetHistogram().GetSampleSum()
+		}
+		return s
+	}
+	if total := computeSum(after) - computeSum(before); phases > total {
+		t.Errorf("phases add up to %.6f s, more than the %.6f s the stage's passes took", phases, total)
+	}
 	if metric(after, "meshnode_kv_cache_capacity_tokens") != ctxLen*parallel {
 		t.Errorf("KV capacity %v, want %d", metric(after, "meshnode_kv_cache_capacity_tokens"), ctxLen*parallel)
 	}

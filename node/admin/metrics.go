@@ -53,6 +53,7 @@ type Metrics struct {
 	step         prometheus.Histogram
 	stageCompute *prometheus.HistogramVec
 	stageTokens  *prometheus.CounterVec
+	stagePhase   *prometheus.CounterVec
 	peerRTT      *prometheus.HistogramVec
 	hopBytes     *prometheus.CounterVec
 	http         *prometheus.CounterVec
@@ -91,6 +92,9 @@ func NewMetrics(gauges func() Gauges) *Metrics {
 	m.stageCompute = f.histogramVec("meshnode_stage_compute_seconds",
 		"Forward passes of this node's stage (its layer range, label stage=\"START-END\"), compute only.",
 		prometheus.ExponentialBucketsRange(0.0001, 30, 18), "stage")
+	m.stagePhase = f.counterVec("meshnode_stage_phase_seconds_total",
+		"Where this node's stage forward passes spent their time: phase=\"graph\" (building it on the host), \"launch\" (scheduling and queueing it), \"wait\" (the backend computing, and the read-back).",
+		"stage", "phase")
 	m.stageTokens = f.counterVec("meshnode_stage_tokens_total", "Token rows that went through this node's stage.", "stage", "kind")
 	m.peerRTT = f.histogramVec("meshnode_hop_rtt_seconds",
 		"Round trips to each peer (libp2p ping), label peer=peer ID; a pipeline hop's latency is the RTT between its two nodes.",
@@ -152,6 +156,14 @@ func (m *Metrics) StageForward(stage string, d time.Duration, rows, outputs int)
 	m.stageCompute.WithLabelValues(stage).Observe(d.Seconds())
 	m.stageTokens.WithLabelValues(stage, "input").Add(float64(rows))
 	m.stageTokens.WithLabelValues(stage, "output").Add(float64(outputs))
+}
+
+// StagePhases adds time that this node's stage spent in each phase of its
+// forward passes.
+func (m *Metrics) StagePhases(stage string, graph, launch, wait time.Duration) {
+	m.stagePhase.WithLabelValues(stage, "graph").Add(graph.Seconds())
+	m.stagePhase.WithLabelValues(stage, "launch").Add(launch.Seconds())
+	m.stagePhase.WithLabelValues(stage, "wait").Add(wait.Seconds())
 }
 
 // PeerRTT records a round trip to a peer.

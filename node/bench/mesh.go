@@ -75,11 +75,11 @@ type MeshRow struct {
 	FirstToken time.Duration
 	Plan       []node.StatusStage // node 1's plan while it was measured
 	// Step is the mean forward pass through the whole pipeline as node 1's
-	// scheduler waited for it, and Compute each node's mean stage compute
-	// in those passes (from the nodes' /metrics): what is neither is hops,
-	// framing and scheduling. Zero when a node did not report them.
+	// scheduler waited for it, and Compute each node's mean stage pass
+	// (from the nodes' /metrics): what is neither is hops, framing and
+	// scheduling. Zero when a node did not report them.
 	Step    time.Duration
-	Compute []time.Duration
+	Compute []StageTime
 	// Greedy is the text of one fixed greedy request through the mesh,
 	// to check that every stage count generates the same tokens.
 	Greedy string
@@ -433,23 +433,50 @@ func millis(d time.Duration) string {
 	return fmt.Sprintf("%.3f", d.Seconds()*1e3)
 }
 
+// StageTime is a node's mean stage forward pass, and the part of it spent
+// in each phase (zero where the engine does not report phases): building
+// the graph on the host, launching it, and waiting for the backend.
+type StageTime struct {
+	Total, Graph, Launch, Wait time.Duration
+}
+
 // stepText says where a step went: each stage's compute, then the rest.
-func stepText(step time.Duration, compute []time.Duration) string {
+func stepText(step time.Duration, compute []StageTime) string {
 	if step <= 0 || len(compute) == 0 {
 		return "-"
 	}
 	parts := make([]string, len(compute))
 	rest := step
 	for i, c := range compute {
-		parts[i] = millis(c)
-		rest -= c
+		parts[i] = millis(c.Total)
+		rest -= c.Total
 	}
 	return fmt.Sprintf("%s, rest %.3f", strings.Join(parts, " + "), rest.Seconds()*1e3)
 }
 
-// sums is a node's histogram sums and counts by metric name, labels
-// dropped: a node runs one stage.
+// phaseText splits each stage's pass into its phases, graph/launch/wait.
+func phaseText(compute []StageTime) string {
+	var parts []string
+	for _, c := range compute {
+		if c.Graph+c.Launch+c.Wait <= 0 {
+			return ""
+		}
+		parts = append(parts, fmt.Sprintf("%s/%s/%s", millis(c.Graph), millis(c.Launch), millis(c.Wait)))
+	}
+	return strings.Join(parts, " + ")
+}
+
+// sums is a node's histogram sums and counts, and counter totals, by
+// metric name, labels dropped (a node runs one stage), except a phase
+// label, which is kept as name/phase.
 type sums map[string][2]float64
+
+// The metrics that the step breakdown reads.
+const (
+	metricStep   = "meshnode_pipeline_step_seconds"
+	metricStage  = "meshnode_stage_compute_seconds"
+	metricPhases = "meshnode_stage_phase_seconds_total"
+)
 
 // timings reads every node's step and stage-compute histograms; a node
 // that does not answer gives an empty entry.
@@ -479,7 +506,7 @@ func parseSums(r io.Reader) sums {
 	if err != nil {
 		return s
 	}
-	for _, name := range []string{"meshnode_pipeline_step_seconds", "meshnode_stage_compute_seconds"} {
+	for _, name := range []string{metricStep, metricStage} {
 		fam, ok := fams[name]
 		if !ok {
 			continue
@@ -491,25 +518,43 @@ func parseSums(r io.Reader) sums {
 		}
 		s[name] = e
 	}
+	if fam, ok := fams[metricPhases]; ok {
+		for _, m := range fam.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "phase" {
+					k := metricPhases + "/" + l.GetValue()
+					e := s[k]
+					e[0] += m.GetCounter().GetValue()
+					s[k] = e
+				}
+			}
+		}
+	}
 	return s
 }
 
 // breakdown turns two readings into node 1's mean step and every node's
-// mean stage compute over the passes between them.
-func breakdown(before, after []sums) (step time.Duration, compute []time.Duration) {
-	mean := func(i int, name string) time.Duration {
+// mean stage pass over the passes between them.
+func breakdown(before, after []sums) (step time.Duration, compute []StageTime) {
+	// per divides the growth of a sum by the growth of count's count.
+	per := func(i int, name, count string) time.Duration {
 		if i >= len(before) || i >= len(after) {
 			return 0
 		}
-		a, b := after[i][name], before[i][name]
-		if n := a[1] - b[1]; n > 0 {
-			return time.Duration((a[0] - b[0]) / n * float64(time.Second))
+		a, b := after[i], before[i]
+		if n := a[count][1] - b[count][1]; n > 0 {
+			return time.Duration((a[name][0] - b[name][0]) / n * float64(time.Second))
 		}
 		return 0
 	}
-	step = mean(0, "meshnode_pipeline_step_seconds")
+	step = per(0, metricStep, metricStep)
 	for i := range after {
-		compute = append(compute, mean(i, "meshnode_stage_compute_seconds"))
+		compute = append(compute, StageTime{
+			Total:  per(i, metricStage, metricStage),
+			Graph:  per(i, metricPhases+"/graph", metricStage),
+			Launch: per(i, metricPhases+"/launch", metricStage),
+			Wait:   per(i, metricPhases+"/wait", metricStage),
+		})
 	}
 	return step, compute
 }
@@ -1187,6 +1232,18 @@ func PrintMesh(w io.Writer, rows []MeshRow) {
 			millis(r.Step), stepText(r.Step, r.Compute))
 	}
 	fmt.Fprintln(w, "(step: one forward pass through every stage as node 1 waits for it; the rest: hops, framing and scheduling, which overlap with compute when lanes pipeline)")
+	header := false
+	for _, r := range rows {
+		p := phaseText(r.Compute)
+		if p == "" {
+			continue
+		}
+		if !header {
+			fmt.Fprintf(w, "\n%-14s %6s %7s  %s\n", "network", "stages", "streams", "stage pass ms: graph/launch/wait (host builds the graph / ggml queues it / waits for the backend)")
+			header = true
+		}
+		fmt.Fprintf(w, "%-14s %6d %7d  %s\n", r.Network, r.Stages, r.Streams, p)
+	}
 	// Greedy output must not depend on how the model is split.
 	ref := map[string]string{}
 	for _, r := range rows {

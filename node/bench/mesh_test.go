@@ -164,8 +164,10 @@ func TestMergeRounds(t *testing.T) {
 }
 
 func TestStepBreakdown(t *testing.T) {
-	scrape := func(step, stepN, compute, computeN float64) string {
-		return fmt.Sprintf(`# HELP meshnode_pipeline_step_seconds Forward passes.
+	// scrape is one node's /metrics: its step and stage histograms, and
+	// phase totals graph, launch, wait (none when phases is nil).
+	scrape := func(step, stepN, compute, computeN float64, phases []float64) string {
+		s := fmt.Sprintf(`# HELP meshnode_pipeline_step_seconds Forward passes.
 # TYPE meshnode_pipeline_step_seconds histogram
 meshnode_pipeline_step_seconds_bucket{le="0.0002"} 0
 meshnode_pipeline_step_seconds_bucket{le="+Inf"} %[2]g
@@ -179,32 +181,48 @@ meshnode_stage_compute_seconds_count{stage="0-2"} %[4]g
 # TYPE meshnode_stage_tokens_total counter
 meshnode_stage_tokens_total{stage="0-2",kind="input"} 12
 `, step, stepN, compute, computeN)
+		if phases != nil {
+			s += fmt.Sprintf(`# TYPE meshnode_stage_phase_seconds_total counter
+meshnode_stage_phase_seconds_total{stage="0-2",phase="graph"} %g
+meshnode_stage_phase_seconds_total{stage="0-2",phase="launch"} %g
+meshnode_stage_phase_seconds_total{stage="0-2",phase="wait"} %g
+`, phases[0], phases[1], phases[2])
+		}
+		return s
 	}
+	ms := func(v float64) time.Duration { return time.Duration(v * float64(time.Millisecond)) }
 	tests := []struct {
 		name          string
 		before, after []string
 		step          time.Duration
-		compute       []time.Duration
+		compute       []StageTime
 	}{
 		{
 			name:    "two nodes",
-			before:  []string{scrape(1, 10, 0.5, 10), scrape(0, 0, 0.2, 10)},
-			after:   []string{scrape(1.5, 110, 0.6, 110), scrape(0, 0, 0.4, 110)},
+			before:  []string{scrape(1, 10, 0.5, 10, nil), scrape(0, 0, 0.2, 10, nil)},
+			after:   []string{scrape(1.5, 110, 0.6, 110, nil), scrape(0, 0, 0.4, 110, nil)},
 			step:    5 * time.Millisecond,
-			compute: []time.Duration{time.Millisecond, 2 * time.Millisecond},
+			compute: []StageTime{{Total: time.Millisecond}, {Total: 2 * time.Millisecond}},
+		},
+		{
+			name:    "phases",
+			before:  []string{scrape(1, 10, 0.5, 10, []float64{0.1, 0.2, 0.3}), scrape(0, 0, 0.2, 10, []float64{1, 1, 1})},
+			after:   []string{scrape(1.5, 110, 0.6, 110, []float64{0.11, 0.23, 0.36}), scrape(0, 0, 0.4, 110, []float64{1.1, 1.05, 1.05})},
+			step:    5 * time.Millisecond,
+			compute: []StageTime{{Total: ms(1), Graph: ms(0.1), Launch: ms(0.3), Wait: ms(0.6)}, {Total: ms(2), Graph: ms(1), Launch: ms(0.5), Wait: ms(0.5)}},
 		},
 		{
 			name:    "no passes between the readings",
-			before:  []string{scrape(1, 10, 0.5, 10)},
-			after:   []string{scrape(1, 10, 0.5, 10)},
-			compute: []time.Duration{0},
+			before:  []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3})},
+			after:   []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3})},
+			compute: []StageTime{{}},
 		},
 		{
 			name:    "a node that did not answer",
-			before:  []string{scrape(1, 10, 0.5, 10), ""},
-			after:   []string{scrape(2, 20, 0.6, 20), ""},
+			before:  []string{scrape(1, 10, 0.5, 10, nil), ""},
+			after:   []string{scrape(2, 20, 0.6, 20, nil), ""},
 			step:    100 * time.Millisecond,
-			compute: []time.Duration{10 * time.Millisecond, 0},
+			compute: []StageTime{{Total: 10 * time.Millisecond}, {}},
 		},
 	}
 	read := func(texts []string) []sums {
@@ -221,14 +239,22 @@ meshnode_stage_tokens_total{stage="0-2",kind="input"} 12
 			if !near(step, tc.step) || len(compute) != len(tc.compute) {
 				t.Fatalf("step %v, compute %v; want %v, %v", step, compute, tc.step, tc.compute)
 			}
-			for i := range compute {
-				if !near(compute[i], tc.compute[i]) {
-					t.Fatalf("compute %v, want %v", compute, tc.compute)
+			for i, c := range compute {
+				w := tc.compute[i]
+				if !near(c.Total, w.Total) || !near(c.Graph, w.Graph) || !near(c.Launch, w.Launch) || !near(c.Wait, w.Wait) {
+					t.Fatalf("compute %+v, want %+v", compute, tc.compute)
 				}
 			}
 		})
 	}
-	if got := stepText(5*time.Millisecond, []time.Duration{time.Millisecond, 2 * time.Millisecond}); got != "1.000 + 2.000, rest 2.000" {
+	two := []StageTime{{Total: ms(1), Graph: ms(0.25), Launch: ms(0.25), Wait: ms(0.5)}, {Total: ms(2), Graph: ms(0.5), Launch: ms(0.5), Wait: ms(1)}}
+	if got := stepText(5*time.Millisecond, two); got != "1.000 + 2.000, rest 2.000" {
 		t.Fatalf("stepText = %q", got)
+	}
+	if got := phaseText(two); got != "0.250/0.250/0.500 + 0.500/0.500/1.000" {
+		t.Fatalf("phaseText = %q", got)
+	}
+	if got := phaseText([]StageTime{{Total: ms(1)}}); got != "" {
+		t.Fatalf("phaseText without phases = %q, want empty", got)
 	}
 }
