@@ -49,3 +49,62 @@ func TestGPUSplitEquivalence(t *testing.T) {
 func stageBatchAt(pos, tok int32) stage.Batch {
 	return stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{pos}, Tokens: []int32{tok}, Outputs: []int{0}}
 }
+
+// TestGPUBatchedDecode decodes three sequences together on a GPU, where
+// from the second step their passes replay a captured CUDA graph (see
+// graphHint), and checks each against the same sequence decoded alone:
+// a graph replayed with stale inputs or shapes would change the tokens.
+func TestGPUBatchedDecode(t *testing.T) {
+	devs, err := Devices(storiesPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(devs) == 0 {
+		t.Skipf("no GPU backend loaded (OLLAMA_LIBRARY_PATH=%q): build one with deploy/gpu/build-cuda.sh on a machine with a GPU", os.Getenv("OLLAMA_LIBRARY_PATH"))
+	}
+	const steps = 40
+	starts := []int32{1, 400, 1000} // first tokens: three different stories
+	opts := Options{Threads: 1, MaxSeqs: len(starts), Context: 256, Device: "auto"}
+	p := openSplit(t, storiesPath, []int{0, 2, 5}, opts)
+	defer p.close()
+
+	// decode runs the sequences of seqs (indexes into starts) together
+	// for steps passes and returns each one's greedy tokens.
+	decode := func(seqs ...int) [][]int32 {
+		for _, s := range seqs {
+			p.open(t, stage.SeqID(s))
+		}
+		out := make([][]int32, len(seqs))
+		next := make([]int32, len(seqs))
+		for i, s := range seqs {
+			next[i] = starts[s]
+		}
+		for pos := range int32(steps) {
+			var b stage.Batch
+			for i, s := range seqs {
+				b.Seqs, b.Pos, b.Tokens, b.Outputs = append(b.Seqs, stage.SeqID(s)), append(b.Pos, pos), append(b.Tokens, next[i]), append(b.Outputs, i)
+			}
+			logits := p.forward(t, b)
+			vocab := len(logits) / len(seqs)
+			for i := range seqs {
+				next[i] = argmax(logits[i*vocab : (i+1)*vocab])
+				out[i] = append(out[i], next[i])
+			}
+		}
+		for _, st := range p.stages {
+			for _, s := range seqs {
+				if err := st.Release(stage.SeqID(s)); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		return out
+	}
+	together := decode(0, 1, 2)
+	for i := range starts {
+		alone := decode(i)[0]
+		if !slices.Equal(together[i], alone) {
+			t.Errorf("sequence %d decoded with two others:\n%v\nalone:\n%v", i, together[i], alone)
+		}
+	}
+}
