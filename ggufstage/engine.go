@@ -13,7 +13,6 @@ import (
 	"os"
 	"runtime"
 	"runtime/debug"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -67,9 +66,6 @@ type Engine struct {
 	// not wait for a forward pass.
 	broken atomic.Value
 	phases phaseClock
-	// lastDecode is the cache slots, in row order, of the last pass when
-	// it was a decode pass (one row per sequence), else nil; see graphHint.
-	lastDecode []int
 }
 
 // Phases is where an engine's forward passes spent their time, summed
@@ -432,9 +428,6 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 
 	start := time.Now()
 	gctx := e.backend.NewContext()
-	if e.info.Backend != "CPU" {
-		gctx.SetBatchSize(e.graphHint(slots))
-	}
 	var inCompute time.Duration
 	defer func() {
 		gctx.Close()
@@ -496,36 +489,6 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 		}
 	}
 	return out, nil
-}
-
-// graphHint is the batch size that ggml's scheduler is told for a pass on
-// a GPU, given the pass's cache slots in row order.
-//
-// ggml's CUDA backend replays a captured CUDA graph instead of launching
-// each kernel (hundreds a pass; launching them costs more than running
-// them when few tokens go through) only for a batch size of 1, because a
-// graph whose shapes change every pass, as in prefill, is captured for
-// nothing. Decode passes of the same sequences keep their shapes from pass
-// to pass, so their graph replays as well as a single token's: the second
-// of two such passes in a row is reported as size 1. The first of a run
-// keeps its real size, so that passes that alternate (two pipeline lanes
-// on one stage, say) never ask for a capture every time, which would make
-// ggml give up graphs for good after four.
-func (e *Engine) graphHint(slots []int) int {
-	decode := len(slots) > 0
-	for i, s := range slots {
-		decode = decode && !slices.Contains(slots[:i], s)
-	}
-	prev := e.lastDecode
-	e.lastDecode = nil
-	if !decode {
-		return len(slots)
-	}
-	e.lastDecode = slots
-	if len(slots) == 1 || slices.Equal(slots, prev) {
-		return 1
-	}
-	return len(slots)
 }
 
 // Close frees the engine's memory.
