@@ -21,7 +21,6 @@ import (
 	"github.com/ollama/ollama/ml"
 	_ "github.com/ollama/ollama/ml/backend/ggml" // registers the ggml backend
 	"github.com/ollama/ollama/model"
-	"github.com/ollama/ollama/model/input"
 
 	"github.com/meshnode/meshnode/ggufstage/gguf"
 	"github.com/meshnode/meshnode/stage"
@@ -66,6 +65,12 @@ type Engine struct {
 	// not wait for a forward pass.
 	broken atomic.Value
 	phases phaseClock
+	// Building passes ahead (see pass): on GPUs, where the host is
+	// otherwise idle while a pass computes. ahead is the pass built for
+	// the batch predicted next; aheadHits counts the predictions used.
+	buildsAhead bool
+	ahead       *pass
+	aheadHits   atomic.Uint64
 }
 
 // Phases is where an engine's forward passes spent their time, summed
@@ -125,6 +130,10 @@ func (e *Engine) Broken() error {
 
 // testPanic, when set by a test, is called inside Forward where ggml runs.
 var testPanic func()
+
+// testBuildAhead, when set by a test before Open, decides whether engines
+// build passes ahead: 1 always, -1 never, 0 on GPUs only.
+var testBuildAhead int
 
 // Open loads a stage from a GGUF file that holds (at least) the tensors of
 // layers [start,end): a slice written by Slice, or a whole model.
@@ -239,6 +248,7 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 	if gpu != nil {
 		e.info.Backend = gpu.Library
 	}
+	e.buildsAhead = (gpu != nil || testBuildAhead > 0) && testBuildAhead >= 0
 	e.slots = make(map[stage.SeqID]int)
 	for i := opts.MaxSeqs - 1; i >= 0; i-- {
 		e.free = append(e.free, i)
@@ -308,17 +318,19 @@ var backendMu sync.RWMutex
 // once on it corrupt each other's results.
 var computeMu sync.Mutex
 
-// compute runs the graph ending in t and reads t back, adding the time
-// to queue the graph and the time to wait for it to c.
-func compute(gctx ml.Context, t ml.Tensor, c *phaseClock) []float32 {
+// compute runs the graph ending in t and reads t back, setting the time
+// it took to queue the graph and the time it waited for the result.
+// While a GPU computes, between runs on the host.
+func compute(gctx ml.Context, t ml.Tensor, launch, wait *time.Duration, between func()) []float32 {
 	computeMu.Lock()
 	defer computeMu.Unlock()
 	start := time.Now()
-	gctx.Forward(t).Compute(t)
-	queued := time.Now()
+	gctx.Compute(t)
+	*launch = time.Since(start)
+	between()
+	start = time.Now()
 	floats := t.Floats()
-	c.launch.Add(int64(queued.Sub(start)))
-	c.wait.Add(int64(time.Since(queued)))
+	*wait = time.Since(start)
 	return floats
 }
 
@@ -372,6 +384,7 @@ func (e *Engine) Trim(seq stage.SeqID, pos int32) (err error) {
 		return err
 	}
 	defer e.breakOnPanic(&err, "trimming cache")
+	e.dropAhead()
 	slot, ok := e.slots[seq]
 	if !ok {
 		return fmt.Errorf("%w: %d", stage.ErrUnknownSeq, seq)
@@ -389,6 +402,7 @@ func (e *Engine) Release(seq stage.SeqID) (err error) {
 		return err
 	}
 	defer e.breakOnPanic(&err, "releasing cache")
+	e.dropAhead()
 	slot, ok := e.slots[seq]
 	if !ok {
 		return fmt.Errorf("%w: %d", stage.ErrUnknownSeq, seq)
@@ -427,52 +441,23 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 	}
 
 	start := time.Now()
-	gctx := e.backend.NewContext()
-	var inCompute time.Duration
+	var launch, wait time.Duration
+	p := e.takeAhead(b, slots)
+	if p == nil {
+		if p, err = e.build(b.Seqs, b.Pos, slots, b.Outputs); err != nil {
+			return nil, err
+		}
+	}
 	defer func() {
-		gctx.Close()
-		e.phases.graph.Add(int64(time.Since(start) - inCompute))
+		p.gctx.Close()
+		e.phases.graph.Add(int64(time.Since(start) - launch - wait))
 		e.phases.passes.Add(1)
 	}()
-
-	n := b.Rows()
-	batch := input.Batch{Positions: b.Pos, Sequences: slots}
-	if e.info.First() {
-		batch.Inputs = gctx.Input().FromInts(b.Tokens, n)
-	}
-	last := e.info.Last() && len(b.Outputs) > 0
-	if last {
-		outs := make([]int32, len(b.Outputs))
-		for i, o := range b.Outputs {
-			outs[i] = int32(o)
-		}
-		batch.Outputs = gctx.Input().FromInts(outs, len(outs))
-	}
-	if err := e.cache.StartForward(gctx, batch, false); err != nil {
-		return nil, fmt.Errorf("placing batch in the KV cache: %w", err)
-	}
-	positions := gctx.Input().FromInts(b.Pos, n)
-
-	var h ml.Tensor
-	if e.info.First() {
-		h = e.arch.embed(gctx, batch.Inputs)
-	} else {
-		h = gctx.Input().FromFloats(hidden, e.info.Embd, n)
-	}
-	for i := e.info.Start; i < e.info.End; i++ {
-		e.cache.SetLayer(i)
-		var outputs ml.Tensor
-		if last && i == e.info.End-1 {
-			outputs = batch.Outputs
-		}
-		h = e.arch.layer(gctx, i, h, positions, outputs, e.cache)
-	}
-	if last {
-		h = e.arch.head(gctx, h)
-	}
-	computeStart := time.Now()
-	floats := compute(gctx, h, &e.phases)
-	inCompute = time.Since(computeStart)
+	p.fill(b.Tokens, hidden)
+	n, last := b.Rows(), p.last
+	floats := compute(p.gctx, p.out, &launch, &wait, func() { e.buildAhead(b, slots) })
+	e.phases.launch.Add(int64(launch))
+	e.phases.wait.Add(int64(wait))
 
 	out = &stage.Output{}
 	switch {
@@ -506,6 +491,10 @@ func (e *Engine) close() (err error) {
 	}
 	e.closed = true
 	defer recoverErr(&err, "closing engine")
+	if e.ahead != nil {
+		e.ahead.gctx.Close()
+		e.ahead = nil
+	}
 	if e.cache != nil {
 		e.cache.Close()
 	}

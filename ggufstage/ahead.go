@@ -1,0 +1,151 @@
+package ggufstage
+
+import (
+	"math"
+	"slices"
+
+	"github.com/ollama/ollama/ml"
+	"github.com/ollama/ollama/model/input"
+
+	"github.com/meshnode/meshnode/stage"
+)
+
+// A pass is the graph of one forward pass, its rows placed in the KV
+// cache, ready to compute once its input (token ids or hidden state) is
+// written.
+//
+// Building a graph is host work that grows with the layers (0.4-0.65 ms
+// for an 8B model's 16-32 layers), and on a GPU it would otherwise sit
+// between the previous pass's result and this pass's launch. A decode
+// pass is predictable: the same sequences, one position further. So
+// while the GPU computes pass N, the engine builds pass N+1 (buildAhead),
+// and when the batch it predicted comes, only writes its input (takeAhead).
+type pass struct {
+	gctx    ml.Context
+	seqs    []stage.SeqID
+	pos     []int32
+	slots   []int
+	outputs []int
+	in      ml.Tensor // token ids on the first stage, else the hidden state
+	out     ml.Tensor // the graph's result: hidden state, or logits when last
+	first   bool      // in is token ids
+	last    bool      // out is logits
+}
+
+// build places rows (seqs at pos, in cache slots) in the KV cache and
+// builds their graph, its input not yet written. If the cache has no room,
+// it returns the error with the cache as it was.
+func (e *Engine) build(seqs []stage.SeqID, pos []int32, slots []int, outputs []int) (*pass, error) {
+	n := len(seqs)
+	p := &pass{
+		gctx: e.backend.NewContext(), seqs: slices.Clone(seqs), pos: slices.Clone(pos), slots: slices.Clone(slots),
+		outputs: slices.Clone(outputs), first: e.info.First(), last: e.info.Last() && len(outputs) > 0,
+	}
+	batch := input.Batch{Positions: p.pos, Sequences: p.slots}
+	if e.info.First() {
+		p.in = p.gctx.Input().Empty(ml.DTypeI32, n)
+		batch.Inputs = p.in
+	}
+	if p.last {
+		outs := make([]int32, len(outputs))
+		for i, o := range outputs {
+			outs[i] = int32(o)
+		}
+		batch.Outputs = p.gctx.Input().FromInts(outs, len(outs))
+	}
+	if err := e.cache.StartForward(p.gctx, batch, false); err != nil {
+		p.gctx.Close()
+		return nil, err
+	}
+	positions := p.gctx.Input().FromInts(p.pos, n)
+
+	var h ml.Tensor
+	if e.info.First() {
+		h = e.arch.embed(p.gctx, p.in)
+	} else {
+		p.in = p.gctx.Input().Empty(ml.DTypeF32, e.info.Embd, n)
+		h = p.in
+	}
+	for i := e.info.Start; i < e.info.End; i++ {
+		e.cache.SetLayer(i)
+		var outs ml.Tensor
+		if p.last && i == e.info.End-1 {
+			outs = batch.Outputs
+		}
+		h = e.arch.layer(p.gctx, i, h, positions, outs, e.cache)
+	}
+	if p.last {
+		h = e.arch.head(p.gctx, h)
+	}
+	p.out = h
+	p.gctx.Forward(h)
+	return p, nil
+}
+
+// fill writes the pass's input: token ids on the first stage, else the
+// hidden state (rows × n_embd floats).
+func (p *pass) fill(tokens []int32, hidden []float32) {
+	if p.first {
+		p.in.FromInts(tokens)
+	} else {
+		p.in.FromFloats(hidden)
+	}
+}
+
+// matches reports whether b is the batch the pass was built for.
+func (p *pass) matches(b *stage.Batch, slots []int) bool {
+	return slices.Equal(p.seqs, b.Seqs) && slices.Equal(p.pos, b.Pos) && slices.Equal(p.slots, slots) &&
+		slices.Equal(p.outputs, b.Outputs)
+}
+
+// takeAhead returns the pass built ahead if it is b's, else drops it and
+// returns nil. Call with e.mu held.
+func (e *Engine) takeAhead(b *stage.Batch, slots []int) *pass {
+	p := e.ahead
+	if p == nil {
+		return nil
+	}
+	if p.matches(b, slots) {
+		e.ahead = nil
+		e.aheadHits.Add(1)
+		return p
+	}
+	e.dropAhead()
+	return nil
+}
+
+// buildAhead builds the pass predicted to follow b, when b is a decode
+// pass (one row per sequence) and the engine builds ahead. A prediction
+// that cannot be placed (the context or the cache is full) is skipped.
+// Call with e.mu held.
+func (e *Engine) buildAhead(b *stage.Batch, slots []int) {
+	if !e.buildsAhead || len(b.Seqs) == 0 {
+		return
+	}
+	next := make([]int32, len(b.Pos))
+	for i, s := range b.Seqs {
+		if slices.Contains(b.Seqs[:i], s) || (e.info.Context > 0 && int(b.Pos[i])+1 >= e.info.Context) {
+			return
+		}
+		next[i] = b.Pos[i] + 1
+	}
+	if p, err := e.build(b.Seqs, next, slots, b.Outputs); err == nil {
+		e.ahead = p
+	}
+}
+
+// dropAhead frees the pass built ahead and takes its rows back out of the
+// KV cache: they are the last positions of their sequences, which nothing
+// computed yet. Call with e.mu held.
+func (e *Engine) dropAhead() {
+	p := e.ahead
+	if p == nil {
+		return
+	}
+	e.ahead = nil
+	p.gctx.Close()
+	for i, slot := range p.slots {
+		// Removing to the end never shifts cells, so it cannot fail.
+		_ = e.cache.Remove(slot, p.pos[i], math.MaxInt32)
+	}
+}

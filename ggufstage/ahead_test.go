@@ -1,0 +1,158 @@
+package ggufstage
+
+import (
+	"os"
+	"testing"
+
+	"github.com/meshnode/meshnode/stage"
+)
+
+// TestBuildAhead runs one script of passes through a split built with
+// passes ahead (as on a GPU; forced here on the CPU) and through one
+// without, and wants the same logits, bit for bit, after every pass. The
+// script has predictions that hit (steady decoding) and ones that miss
+// (a sequence leaves, a trim, a prompt joins the batch): a missed
+// prediction whose rows stayed in the KV cache would show up in the
+// attention of later passes.
+func TestBuildAhead(t *testing.T) {
+	e, err := Open(storiesPath, 0, 5, Options{Threads: 1, MaxSeqs: 1, Context: 64, Device: "cpu"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.buildsAhead {
+		t.Error("a CPU engine builds ahead by default: it has no idle host time to hide the work in")
+	}
+	e.Close()
+	checkBuildAhead(t, "cpu")
+}
+
+// TestGPUBuildAhead is TestBuildAhead on a GPU, where engines build ahead
+// by default; CI machines have no GPU, so there it says so and skips.
+func TestGPUBuildAhead(t *testing.T) {
+	devs, err := Devices(storiesPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(devs) == 0 {
+		t.Skipf("no GPU backend loaded (OLLAMA_LIBRARY_PATH=%q): build one with deploy/gpu/build-cuda.sh on a machine with a GPU", os.Getenv("OLLAMA_LIBRARY_PATH"))
+	}
+	checkBuildAhead(t, "auto")
+}
+
+func checkBuildAhead(t *testing.T, device string) {
+	opts := Options{Threads: 2, MaxSeqs: 3, Context: 128, Device: device}
+	bounds := []int{0, 2, 5}
+	defer func() { testBuildAhead = 0 }()
+	testBuildAhead = 1
+	ahead := openSplit(t, storiesPath, bounds, opts)
+	defer ahead.close()
+	testBuildAhead = -1
+	plain := openSplit(t, storiesPath, bounds, opts)
+	defer plain.close()
+	for i, s := range ahead.stages {
+		if !s.buildsAhead || plain.stages[i].buildsAhead {
+			t.Fatal("the test knob did not take")
+		}
+	}
+
+	type row struct {
+		seq stage.SeqID
+		pos int32
+		tok int32
+	}
+	batch := func(rows ...row) stage.Batch {
+		var b stage.Batch
+		for i, r := range rows {
+			b.Seqs, b.Pos, b.Tokens, b.Outputs = append(b.Seqs, r.seq), append(b.Pos, r.pos), append(b.Tokens, r.tok), append(b.Outputs, i)
+		}
+		return b
+	}
+	prompt := func(seq stage.SeqID, from, n int32) []row {
+		var rows []row
+		for i := range n {
+			rows = append(rows, row{seq, from + i, 1 + (int32(seq)*37+from+i)%500})
+		}
+		return rows
+	}
+	// step is one pass of the script, or an action between passes.
+	type step struct {
+		rows    []row
+		release stage.SeqID
+		trim    stage.SeqID
+		trimTo  int32
+	}
+	var script []step
+	next := map[stage.SeqID]int32{}
+	decode := func(seqs ...stage.SeqID) {
+		var rows []row
+		for _, s := range seqs {
+			rows = append(rows, row{s, next[s], 1 + (next[s]*13+int32(s))%500})
+			next[s]++
+		}
+		script = append(script, step{rows: rows})
+	}
+	script = append(script, step{rows: append(prompt(1, 0, 5), prompt(2, 0, 3)...)})
+	next[1], next[2] = 5, 3
+	for range 6 {
+		decode(1, 2)
+	}
+	script = append(script, step{release: 2})
+	for range 3 {
+		decode(1)
+	}
+	script = append(script, step{trim: 1, trimTo: next[1] - 2})
+	next[1] -= 2
+	for range 3 {
+		decode(1)
+	}
+	// A prompt joins while sequence 1 decodes, then both decode.
+	script = append(script, step{rows: append([]row{{1, next[1], 7}}, prompt(3, 0, 4)...)})
+	next[1]++
+	next[3] = 4
+	for range 4 {
+		decode(1, 3)
+	}
+	decode(3, 1) // the same sequences in another order
+	decode(3, 1)
+
+	for _, p := range []*pipeline{ahead, plain} {
+		p.open(t, 1, 2, 3)
+	}
+	for i, st := range script {
+		switch {
+		case st.release != 0:
+			for _, p := range []*pipeline{ahead, plain} {
+				for _, s := range p.stages {
+					if err := s.Release(st.release); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			continue
+		case st.trim != 0:
+			for _, p := range []*pipeline{ahead, plain} {
+				for _, s := range p.stages {
+					if err := s.Trim(st.trim, st.trimTo); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			continue
+		}
+		b := batch(st.rows...)
+		got, want := ahead.forward(t, b), plain.forward(t, b)
+		if d := maxAbsDiff(got, want); d != 0 {
+			t.Fatalf("step %d (%v): logits differ by %g with passes built ahead", i, st.rows, d)
+		}
+	}
+	var hits, passes uint64
+	for _, s := range ahead.stages {
+		hits += s.aheadHits.Load()
+		passes += s.Phases().Passes
+	}
+	// Decode passes that followed a decode pass of the same sequences, in
+	// the same order, with nothing between: 5+2+2+3+1.
+	if want := uint64(13 * len(ahead.stages)); hits != want {
+		t.Errorf("%d of %d passes were built ahead, want %d", hits, passes, want)
+	}
+}
