@@ -40,16 +40,20 @@ func BenchmarkDecodeStep(b *testing.B) {
 			return toks, err
 		}, func() error { return e.Trim(seq, promptLen) })
 	})
+	instant := stageOpts{wrap: func(e stage.Engine) stage.Engine { return instantEngine{e} }}
 	for _, tc := range []struct {
 		name   string
 		bounds []int
+		opts   []stageOpts
 	}{
-		{"1stage", []int{0, 5}},
-		{"2stages", []int{0, 2, 5}},
-		{"3stages", []int{0, 1, 3, 5}},
+		{"1stage", []int{0, 5}, nil},
+		{"2stages", []int{0, 2, 5}, nil},
+		{"3stages", []int{0, 1, 3, 5}, nil},
+		// The pipeline alone: stages that answer at once.
+		{"2stages-instant", []int{0, 2, 5}, []stageOpts{instant, instant}},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
-			m := newMesh(b, tc.bounds, engineOpts)
+			m := newMesh(b, tc.bounds, engineOpts, tc.opts...)
 			p := m.pipeline(b, Config{})
 			if err := p.Open(seq, greedy(), prompt); err != nil {
 				b.Fatal(err)
@@ -84,4 +88,22 @@ func decodeLoop(b *testing.B, tok int32, step func(*stage.Batch) ([]int32, error
 		tok = toks[0]
 		pos++
 	}
+}
+
+// instantEngine answers every pass at once with zeros (hidden state) or
+// logits that pick token 1, so that a benchmark measures the pipeline
+// without the engine's compute.
+type instantEngine struct{ stage.Engine }
+
+func (e instantEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output, error) {
+	info := e.Info()
+	if !info.Last() {
+		h, err := stage.NewActivation(stage.F32, b.Rows(), info.Embd, make([]float32, b.Rows()*info.Embd))
+		return &stage.Output{Hidden: h}, err
+	}
+	logits := make([]float32, len(b.Outputs)*info.Vocab)
+	for i := range b.Outputs {
+		logits[i*info.Vocab+1] = 1
+	}
+	return &stage.Output{Logits: logits}, nil
 }

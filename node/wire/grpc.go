@@ -13,23 +13,35 @@ import (
 // into frames of RowsPerFrame rows.
 const MaxFrameBytes = 256 << 20
 
+// Flow-control windows of stage connections. Setting them turns off
+// gRPC's bandwidth-delay estimation, which pings the peer as data comes
+// and resizes the windows: extra frames both ways on every hop of every
+// decode step, for windows that end no larger than these.
+const (
+	streamWindow = 16 << 20
+	connWindow   = 64 << 20
+)
+
 // ServerOptions sets a StageService server's message size limits to
-// MaxFrameBytes; a larger message fails its stream with ResourceExhausted
-// and leaves the server serving.
+// MaxFrameBytes (a larger message fails its stream with ResourceExhausted
+// and leaves the server serving) and its flow-control windows.
 func ServerOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(MaxFrameBytes),
 		grpc.MaxSendMsgSize(MaxFrameBytes),
+		grpc.InitialWindowSize(streamWindow),
+		grpc.InitialConnWindowSize(connWindow),
 	}
 }
 
 // DialOptions sets a StageService client's message size limits to
-// MaxFrameBytes.
+// MaxFrameBytes, and its flow-control windows.
 func DialOptions() []grpc.DialOption {
-	return []grpc.DialOption{grpc.WithDefaultCallOptions(
-		grpc.MaxCallRecvMsgSize(MaxFrameBytes),
-		grpc.MaxCallSendMsgSize(MaxFrameBytes),
-	)}
+	return []grpc.DialOption{
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxFrameBytes), grpc.MaxCallSendMsgSize(MaxFrameBytes)),
+		grpc.WithInitialWindowSize(streamWindow),
+		grpc.WithInitialConnWindowSize(connWindow),
+	}
 }
 
 // Worst-case protobuf overhead of an activations frame: fixed fields and
