@@ -20,6 +20,8 @@ import (
 // pass is predictable: the same sequences, one position further. So
 // while the GPU computes pass N, the engine builds pass N+1 (buildAhead),
 // and when the batch it predicted comes, only writes its input (takeAhead).
+// Pipeline lanes alternate batches of different sequences through a
+// stage, so there is a pass ahead for each.
 type pass struct {
 	gctx    ml.Context
 	seqs    []stage.SeqID
@@ -98,26 +100,31 @@ func (p *pass) matches(b *stage.Batch, slots []int) bool {
 		slices.Equal(p.outputs, b.Outputs)
 }
 
-// takeAhead returns the pass built ahead if it is b's, else drops it and
-// returns nil. Call with e.mu held.
+// maxAhead is the most passes built ahead at once: one per pipeline lane
+// that decodes through this stage, each lane its own sequences.
+const maxAhead = 4
+
+// takeAhead returns the pass built ahead for b, if there is one. Passes
+// built ahead for any of b's sequences that are not b's are dropped: their
+// prediction failed. Call with e.mu held.
 func (e *Engine) takeAhead(b *stage.Batch, slots []int) *pass {
-	p := e.ahead
-	if p == nil {
-		return nil
+	for i, p := range e.ahead {
+		if p.matches(b, slots) {
+			e.ahead = slices.Delete(e.ahead, i, i+1)
+			e.aheadHits.Add(1)
+			return p
+		}
 	}
-	if p.matches(b, slots) {
-		e.ahead = nil
-		e.aheadHits.Add(1)
-		return p
-	}
-	e.dropAhead()
+	e.dropAhead(func(p *pass) bool {
+		return slices.ContainsFunc(b.Seqs, func(s stage.SeqID) bool { return slices.Contains(p.seqs, s) })
+	})
 	return nil
 }
 
 // buildAhead builds the pass predicted to follow b, when b is a decode
 // pass (one row per sequence) and the engine builds ahead. A prediction
 // that cannot be placed (the context or the cache is full) is skipped.
-// Call with e.mu held.
+// Call with e.mu held, after takeAhead.
 func (e *Engine) buildAhead(b *stage.Batch, slots []int) {
 	if !e.buildsAhead || len(b.Seqs) == 0 {
 		return
@@ -129,23 +136,37 @@ func (e *Engine) buildAhead(b *stage.Batch, slots []int) {
 		}
 		next[i] = b.Pos[i] + 1
 	}
+	if len(e.ahead) == maxAhead {
+		oldest := e.ahead[0]
+		e.dropAhead(func(p *pass) bool { return p == oldest })
+	}
 	if p, err := e.build(b.Seqs, next, slots, b.Outputs); err == nil {
-		e.ahead = p
+		e.ahead = append(e.ahead, p)
 	}
 }
 
-// dropAhead frees the pass built ahead and takes its rows back out of the
-// KV cache: they are the last positions of their sequences, which nothing
-// computed yet. Call with e.mu held.
-func (e *Engine) dropAhead() {
-	p := e.ahead
-	if p == nil {
-		return
+// dropAhead frees the passes built ahead that drop selects (all when drop
+// is nil) and takes their rows back out of the KV cache: they are the
+// last positions of their sequences, which nothing computed yet. Call
+// with e.mu held.
+func (e *Engine) dropAhead(drop func(*pass) bool) {
+	keep := e.ahead[:0]
+	for _, p := range e.ahead {
+		if drop != nil && !drop(p) {
+			keep = append(keep, p)
+			continue
+		}
+		p.gctx.Close()
+		for i, slot := range p.slots {
+			// Removing to the end never shifts cells, so it cannot fail.
+			_ = e.cache.Remove(slot, p.pos[i], math.MaxInt32)
+		}
 	}
-	e.ahead = nil
-	p.gctx.Close()
-	for i, slot := range p.slots {
-		// Removing to the end never shifts cells, so it cannot fail.
-		_ = e.cache.Remove(slot, p.pos[i], math.MaxInt32)
-	}
+	clear(e.ahead[len(keep):])
+	e.ahead = keep
+}
+
+// dropAheadOf drops the passes built ahead that hold seq.
+func (e *Engine) dropAheadOf(seq stage.SeqID) {
+	e.dropAhead(func(p *pass) bool { return slices.Contains(p.seqs, seq) })
 }

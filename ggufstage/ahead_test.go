@@ -10,8 +10,9 @@ import (
 // TestBuildAhead runs one script of passes through a split built with
 // passes ahead (as on a GPU; forced here on the CPU) and through one
 // without, and wants the same logits, bit for bit, after every pass. The
-// script has predictions that hit (steady decoding) and ones that miss
-// (a sequence leaves, a trim, a prompt joins the batch): a missed
+// script has predictions that hit (steady decoding, two lanes taking
+// turns) and ones that miss (a sequence leaves, a trim, a prompt joins
+// the batch): a missed
 // prediction whose rows stayed in the KV cache would show up in the
 // attention of later passes.
 func TestBuildAhead(t *testing.T) {
@@ -114,6 +115,15 @@ func checkBuildAhead(t *testing.T, device string) {
 	}
 	decode(3, 1) // the same sequences in another order
 	decode(3, 1)
+	// Two pipeline lanes take turns. A lane's pass built ahead holds a
+	// cache cell while the other lane's pass runs, which then takes
+	// another cell than without passes ahead: attention sums the same
+	// terms in another order, so from here logits agree to rounding.
+	lanes := len(script)
+	for range 4 {
+		decode(1)
+		decode(3)
+	}
 
 	for _, p := range []*pipeline{ahead, plain} {
 		p.open(t, 1, 2, 3)
@@ -141,7 +151,11 @@ func checkBuildAhead(t *testing.T, device string) {
 		}
 		b := batch(st.rows...)
 		got, want := ahead.forward(t, b), plain.forward(t, b)
-		if d := maxAbsDiff(got, want); d != 0 {
+		tol := 0.0
+		if i >= lanes {
+			tol = 1e-4
+		}
+		if d := maxAbsDiff(got, want); d > tol || argmax(got) != argmax(want) {
 			t.Fatalf("step %d (%v): logits differ by %g with passes built ahead", i, st.rows, d)
 		}
 	}
@@ -151,8 +165,9 @@ func checkBuildAhead(t *testing.T, device string) {
 		passes += s.Phases().Passes
 	}
 	// Decode passes that followed a decode pass of the same sequences, in
-	// the same order, with nothing between: 5+2+2+3+1.
-	if want := uint64(13 * len(ahead.stages)); hits != want {
+	// the same order, with nothing of theirs between: 5+2+2+3+1, then 6
+	// of the 8 passes of the lanes.
+	if want := uint64(19 * len(ahead.stages)); hits != want {
 		t.Errorf("%d of %d passes were built ahead, want %d", hits, passes, want)
 	}
 }

@@ -66,10 +66,11 @@ type Engine struct {
 	broken atomic.Value
 	phases phaseClock
 	// Building passes ahead (see pass): on GPUs, where the host is
-	// otherwise idle while a pass computes. ahead is the pass built for
-	// the batch predicted next; aheadHits counts the predictions used.
+	// otherwise idle while a pass computes. ahead holds the passes built
+	// for the batches predicted next, of disjoint sequences; aheadHits
+	// counts the predictions used.
 	buildsAhead bool
-	ahead       *pass
+	ahead       []*pass
 	aheadHits   atomic.Uint64
 }
 
@@ -384,7 +385,7 @@ func (e *Engine) Trim(seq stage.SeqID, pos int32) (err error) {
 		return err
 	}
 	defer e.breakOnPanic(&err, "trimming cache")
-	e.dropAhead()
+	e.dropAheadOf(seq)
 	slot, ok := e.slots[seq]
 	if !ok {
 		return fmt.Errorf("%w: %d", stage.ErrUnknownSeq, seq)
@@ -402,7 +403,7 @@ func (e *Engine) Release(seq stage.SeqID) (err error) {
 		return err
 	}
 	defer e.breakOnPanic(&err, "releasing cache")
-	e.dropAhead()
+	e.dropAheadOf(seq)
 	slot, ok := e.slots[seq]
 	if !ok {
 		return fmt.Errorf("%w: %d", stage.ErrUnknownSeq, seq)
@@ -491,10 +492,10 @@ func (e *Engine) close() (err error) {
 	}
 	e.closed = true
 	defer recoverErr(&err, "closing engine")
-	if e.ahead != nil {
-		e.ahead.gctx.Close()
-		e.ahead = nil
+	for _, p := range e.ahead {
+		p.gctx.Close()
 	}
+	e.ahead = nil
 	if e.cache != nil {
 		e.cache.Close()
 	}
