@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -26,7 +25,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
-	"google.golang.org/grpc/test/bufconn"
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/ggufstage/gguf"
@@ -56,17 +54,18 @@ const (
 // to the other stages, and builds the pipeline its own requests run on.
 // One goroutine (run) makes every decision; the rest only reads.
 type mesh struct {
-	cfg     Config
-	log     *zap.Logger
-	host    *host.Host
-	ml      *membership.Membership
-	conns   *pipeline.Conns
-	files   weights.FileIndex
-	grpcSrv *grpc.Server
-	mux     *stageMux
-	budget  uint64
-	speed   float64
-	self    string
+	cfg      Config
+	log      *zap.Logger
+	host     *host.Host
+	ml       *membership.Membership
+	conns    *pipeline.Conns
+	selfConn grpc.ClientConnInterface // this node's own stage, in process
+	files    weights.FileIndex
+	grpcSrv  *grpc.Server
+	mux      *stageMux
+	budget   uint64
+	speed    float64
+	self     string
 
 	pubMu sync.Mutex // publish's turn
 
@@ -240,24 +239,17 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 			log.Debug("weight range stream", zap.Error(err))
 		}
 	})
-	// libp2p cannot dial its own peer, and a stage on this node is reached
-	// the same way as any other: through an in-memory listener.
-	selfLn := bufconn.Listen(1 << 20)
-	p2pDial := h.GRPCDialer(StageProtocol)
-	dial := func(ctx context.Context, addr string) (net.Conn, error) {
-		if addr == m.self {
-			return selfLn.DialContext(ctx)
-		}
-		return p2pDial(ctx, addr)
-	}
-	m.conns = pipeline.NewConns(grpc.WithContextDialer(dial), grpc.WithTransportCredentials(insecure.NewCredentials()),
+	m.conns = pipeline.NewConns(grpc.WithContextDialer(h.GRPCDialer(StageProtocol)), grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithStatsHandler(hopStats{m.obs}))
 	m.mux = &stageMux{}
+	// libp2p cannot dial its own peer; a stage on this node is reached in
+	// process, which also keeps the first hop of its pipelines off gRPC's
+	// transport.
+	m.selfConn = pipeline.InProcess(m.mux)
 	m.grpcSrv = grpc.NewServer(append(wire.ServerOptions(), grpc.StatsHandler(hopStats{m.obs}))...)
 	meshnodev1.RegisterStageServiceServer(m.grpcSrv, m.mux)
 	ln := h.Listen(StageProtocol)
-	go m.grpcSrv.Serve(ln)     // stopped in close
-	go m.grpcSrv.Serve(selfLn) // likewise
+	go m.grpcSrv.Serve(ln) // stopped in close
 
 	for _, addr := range cfg.Join {
 		if err := m.join(ctx, addr); err != nil {
@@ -271,6 +263,9 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 // libp2p already authenticates and encrypts every stream, so gRPC runs
 // without TLS of its own over them.
 func (m *mesh) dial(ctx context.Context, peer string) (grpc.ClientConnInterface, error) {
+	if peer == m.self {
+		return m.selfConn, nil
+	}
 	return m.conns.Dial(ctx, "passthrough:///"+peer)
 }
 

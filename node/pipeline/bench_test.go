@@ -4,6 +4,8 @@ import (
 	"context"
 	"testing"
 
+	"google.golang.org/grpc"
+
 	"github.com/meshnode/meshnode/stage"
 )
 
@@ -45,16 +47,28 @@ func BenchmarkDecodeStep(b *testing.B) {
 		name   string
 		bounds []int
 		opts   []stageOpts
+		inproc bool // hop 0 in process, as a node reaches its own stage
 	}{
-		{"1stage", []int{0, 5}, nil},
-		{"2stages", []int{0, 2, 5}, nil},
-		{"3stages", []int{0, 1, 3, 5}, nil},
+		{"1stage", []int{0, 5}, nil, false},
+		{"2stages", []int{0, 2, 5}, nil, false},
+		{"3stages", []int{0, 1, 3, 5}, nil, false},
 		// The pipeline alone: stages that answer at once.
-		{"2stages-instant", []int{0, 2, 5}, []stageOpts{instant, instant}},
+		{"2stages-instant", []int{0, 2, 5}, []stageOpts{instant, instant}, false},
+		{"2stages-instant-inproc", []int{0, 2, 5}, []stageOpts{instant, instant}, true},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			m := newMesh(b, tc.bounds, engineOpts, tc.opts...)
-			p := m.pipeline(b, Config{})
+			var cfg Config
+			if tc.inproc {
+				local := InProcess(m.stages[0].srv)
+				cfg.Dial = func(ctx context.Context, peer string) (grpc.ClientConnInterface, error) {
+					if peer == m.stages[0].addr {
+						return local, nil
+					}
+					return m.conns.Dial(ctx, peer)
+				}
+			}
+			p := m.pipeline(b, cfg)
 			if err := p.Open(seq, greedy(), prompt); err != nil {
 				b.Fatal(err)
 			}

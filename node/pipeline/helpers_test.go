@@ -239,7 +239,10 @@ func newMesh(t testing.TB, bounds []int, eo ggufstage.Options, so ...stageOpts) 
 
 func (m *mesh) pipeline(t testing.TB, cfg Config) *Pipeline {
 	t.Helper()
-	cfg.Route, cfg.Dial = m.route, m.conns.Dial
+	cfg.Route = m.route
+	if cfg.Dial == nil {
+		cfg.Dial = m.conns.Dial
+	}
 	if cfg.StepTimeout == 0 {
 		cfg.StepTimeout = 10 * time.Second
 	}

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+
 	"github.com/meshnode/meshnode/node/sample"
 	"github.com/meshnode/meshnode/node/wire"
 	"github.com/meshnode/meshnode/stage"
@@ -22,16 +24,28 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 		dtype  stage.DType
 		logits bool
 		so     []stageOpts
+		inproc bool // the origin reaches hop 0 in process, as a node reaches its own stage
 	}{
 		{name: "f32", dtype: stage.F32, logits: true},
 		{name: "f16", dtype: stage.F16},
 		// Frames of at most 1 KiB into hops 1 and 2: the prefill's
 		// activations travel in parts of 5 rows.
 		{name: "f16 split", dtype: stage.F16, so: []stageOpts{{}, {maxFrame: 1 << 10}, {maxFrame: 1 << 10}}},
+		{name: "in-process hop 0", dtype: stage.F32, logits: true, inproc: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m := newMesh(t, threeStages, engineOpts, tc.so...)
-			p := m.pipeline(t, Config{WireDType: tc.dtype, ReturnLogits: tc.logits})
+			cfg := Config{WireDType: tc.dtype, ReturnLogits: tc.logits}
+			if tc.inproc {
+				local := InProcess(m.stages[0].srv)
+				cfg.Dial = func(ctx context.Context, peer string) (grpc.ClientConnInterface, error) {
+					if peer == m.stages[0].addr {
+						return local, nil
+					}
+					return m.conns.Dial(ctx, peer)
+				}
+			}
+			p := m.pipeline(t, cfg)
 			if info := p.Info(); info.Start != 0 || info.End != 5 || info.Layers != 5 || info.Vocab != 512 || info.Context != 256 || info.WireDType != tc.dtype {
 				t.Fatalf("info %+v", info)
 			}

@@ -1,0 +1,116 @@
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"io"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
+)
+
+// fakeStage is a StageService whose Forward handler is forward.
+type fakeStage struct {
+	meshnodev1.UnimplementedStageServiceServer
+	forward func(meshnodev1.StageService_ForwardServer) error
+}
+
+func (f fakeStage) Forward(s meshnodev1.StageService_ForwardServer) error { return f.forward(s) }
+
+func (fakeStage) Info(context.Context, *meshnodev1.InfoRequest) (*meshnodev1.StageInfo, error) {
+	return &meshnodev1.StageInfo{Start: 2, End: 5}, nil
+}
+
+// TestInProcessStream checks that an in-process stream behaves as a gRPC
+// one does for what the pipeline relies on: frames in order both ways,
+// end of stream, the handler's error as a status, cancellation ending the
+// handler, and the Info call.
+func TestInProcessStream(t *testing.T) {
+	echo := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
+		for {
+			f, err := s.Recv()
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			if err := s.Send(f); err != nil {
+				return err
+			}
+		}
+	}}
+	t.Run("echo", func(t *testing.T) {
+		s, err := meshnodev1.NewStageServiceClient(InProcess(echo)).Forward(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range uint64(3) {
+			if err := s.Send(&meshnodev1.Frame{Step: i}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := s.CloseSend(); err != nil {
+			t.Fatal(err)
+		}
+		for i := range uint64(3) {
+			f, err := s.Recv()
+			if err != nil || f.GetStep() != i {
+				t.Fatalf("frame %d: %v, %v", i, f, err)
+			}
+		}
+		if _, err := s.Recv(); !errors.Is(err, io.EOF) {
+			t.Fatalf("after the handler returned: %v, want EOF", err)
+		}
+	})
+	t.Run("handler error", func(t *testing.T) {
+		bad := fakeStage{forward: func(meshnodev1.StageService_ForwardServer) error {
+			return status.Error(codes.InvalidArgument, "bad frame")
+		}}
+		s, err := meshnodev1.NewStageServiceClient(InProcess(bad)).Forward(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Recv(); status.Code(err) != codes.InvalidArgument {
+			t.Fatalf("Recv: %v, want InvalidArgument", err)
+		}
+		if err := s.Send(&meshnodev1.Frame{}); !errors.Is(err, io.EOF) {
+			t.Fatalf("Send after the handler returned: %v, want EOF", err)
+		}
+	})
+	t.Run("cancel", func(t *testing.T) {
+		ended := make(chan error, 1)
+		blocked := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
+			_, err := s.Recv()
+			ended <- err
+			return err
+		}}
+		ctx, cancel := context.WithCancel(t.Context())
+		s, err := meshnodev1.NewStageServiceClient(InProcess(blocked)).Forward(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel()
+		select {
+		case err := <-ended:
+			if status.Code(err) != codes.Canceled {
+				t.Fatalf("the handler's Recv: %v, want Canceled", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("the handler did not end when the client canceled")
+		}
+		if _, err := s.Recv(); status.Code(err) != codes.Canceled {
+			t.Fatalf("client Recv: %v, want Canceled", err)
+		}
+	})
+	t.Run("info", func(t *testing.T) {
+		info, err := meshnodev1.NewStageServiceClient(InProcess(echo)).Info(t.Context(), &meshnodev1.InfoRequest{})
+		if err != nil || info.GetStart() != 2 || info.GetEnd() != 5 {
+			t.Fatalf("Info: %v, %v", info, err)
+		}
+	})
+}
