@@ -398,18 +398,19 @@ func TestKVTypeChecked(t *testing.T) {
 		name    string
 		path    string
 		kv      ml.DType
-		fa      bool
+		fa      FlashAttention
 		wantErr string
 	}{
-		{"f16", storiesPath, ml.DTypeF16, false, ""},
-		{"q8_0 without flash attention", qwen, ml.DTypeQ80, false, "needs flash attention"},
-		{"q8_0, head dimension 8", storiesPath, ml.DTypeQ80, true, "multiple of 32"},
-		{"q8_0, head dimension 32", qwen, ml.DTypeQ80, true, ""},
-		{"i32", storiesPath, ml.DTypeI32, true, "not supported"},
+		{"f16", storiesPath, ml.DTypeF16, FlashOff, ""},
+		{"q8_0 without flash attention", qwen, ml.DTypeQ80, FlashOff, "needs flash attention"},
+		{"q8_0, flash attention auto on the CPU", qwen, ml.DTypeQ80, FlashAuto, "needs flash attention"},
+		{"q8_0, head dimension 8", storiesPath, ml.DTypeQ80, FlashOn, "multiple of 32"},
+		{"q8_0, head dimension 32", qwen, ml.DTypeQ80, FlashOn, ""},
+		{"i32", storiesPath, ml.DTypeI32, FlashOn, "not supported"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			e, err := Open(tt.path, 0, 2, Options{Threads: 1, MaxSeqs: 1, Context: 64, KVType: tt.kv, FlashAttention: tt.fa})
+			e, err := Open(tt.path, 0, 2, Options{Threads: 1, MaxSeqs: 1, Context: 64, KVType: tt.kv, FlashAttention: tt.fa, Device: "cpu"})
 			if tt.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
 					t.Fatalf("err %v, want one saying %q", err, tt.wantErr)

@@ -41,15 +41,15 @@ func OpenStock(path string, opts Options) (s *Stock, err error) {
 	if opts.Context <= 0 {
 		opts.Context = 2048
 	}
-	fa := ml.FlashAttentionDisabled
-	if opts.FlashAttention {
-		fa = ml.FlashAttentionEnabled
-	}
-	params := ml.BackendParams{AllocMemory: true, NumThreads: opts.Threads, FlashAttention: fa}
 	gpu, err := pickDevice(path, opts.Device)
 	if err != nil {
 		return nil, err
 	}
+	fa := ml.FlashAttentionDisabled
+	if opts.FlashAttention.on(gpu != nil) {
+		fa = ml.FlashAttentionEnabled
+	}
+	params := ml.BackendParams{AllocMemory: true, NumThreads: opts.Threads, FlashAttention: fa}
 	if gpu != nil {
 		info, err := ReadInfo(path)
 		if err != nil {

@@ -47,7 +47,7 @@ type Config struct {
 	QueueSize      int
 	MaxTokensCap   int
 	APIKey         string
-	FlashAttention bool
+	FlashAttention ggufstage.FlashAttention // 0: on for a stage on a GPU, off on the CPU
 	NoRepack       bool
 	Device         string // cpu, cuda, auto: where this node's layers run
 	Logger         *zap.Logger

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/node"
 	"github.com/meshnode/meshnode/stage"
 )
@@ -46,7 +47,7 @@ func (f *nodeFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.BatchTokens, "batch", 512, "most tokens in one forward pass (prefill chunk size)")
 	fs.IntVar(&c.QueueSize, "queue", 64, "requests that may wait for a free sequence before new ones get 429")
 	fs.IntVar(&c.MaxTokensCap, "max-tokens", 4096, "upper bound on max_tokens of a request")
-	fs.BoolVar(&c.FlashAttention, "flash-attn", false, "use ggml's fused attention kernel: 1.4-1.8x decode with several sequences on the CPU, but a replay after a node failure may then differ from the uninterrupted text (see README)")
+	fs.Var(flashFlag{&c.FlashAttention}, "flash-attn", "ggml's fused attention kernel: auto (on for layers on a GPU, off on the CPU), on, off. On the CPU it gives 1.4-1.8x decode with several sequences, but a replay after a node failure may then differ from the uninterrupted text (see README)")
 	fs.BoolVar(&c.NoRepack, "no-repack", false, "keep quantized weights in ggml's plain layout (slower on CPU)")
 	fs.StringVar(&c.Device, "device", "auto", "where layers run: auto (a GPU if ggml has one), cpu, cuda, metal")
 	fs.DurationVar(&c.DrainTimeout, "drain-timeout", 60*time.Second, "on SIGTERM or 'meshnode leave', how long to wait for requests to finish and the mesh to take this node's layers")
@@ -196,3 +197,25 @@ func parseBytes(s string) (uint64, error) {
 	}
 	return uint64(v * float64(mult)), nil
 }
+
+// flashFlag is --flash-attn: auto, on or off. A bare --flash-attn, as
+// before the flag took a value, means on.
+type flashFlag struct{ v *ggufstage.FlashAttention }
+
+func (f flashFlag) String() string {
+	if f.v == nil {
+		return ggufstage.FlashAuto.String()
+	}
+	return f.v.String()
+}
+
+func (f flashFlag) Set(s string) error {
+	v, err := ggufstage.ParseFlashAttention(s)
+	if err != nil {
+		return err
+	}
+	*f.v = v
+	return nil
+}
+
+func (f flashFlag) IsBoolFlag() bool { return true }
