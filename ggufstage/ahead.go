@@ -111,7 +111,7 @@ func (e *Engine) takeAhead(b *stage.Batch, slots []int) *pass {
 	for i, p := range e.ahead {
 		if p.matches(b, slots) {
 			e.ahead = slices.Delete(e.ahead, i, i+1)
-			e.aheadHits.Add(1)
+			e.phases.ahead.Add(1)
 			return p
 		}
 	}

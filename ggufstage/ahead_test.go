@@ -161,7 +161,7 @@ func checkBuildAhead(t *testing.T, device string) {
 	}
 	var hits, passes uint64
 	for _, s := range ahead.stages {
-		hits += s.aheadHits.Load()
+		hits += s.Phases().Ahead
 		passes += s.Phases().Passes
 	}
 	// Decode passes that followed a decode pass of the same sequences, in

@@ -29,14 +29,14 @@ import (
 
 // Options configure an engine.
 type Options struct {
-	Threads        int         // CPU threads; 0 = all cores
-	Context        int         // positions per sequence; 0 = the model's, capped at 4096
-	MaxSeqs        int         // sequences with KV at once; 0 = 4
-	BatchSize      int         // most tokens in one forward pass; 0 = 512
+	Threads        int            // CPU threads; 0 = all cores
+	Context        int            // positions per sequence; 0 = the model's, capped at 4096
+	MaxSeqs        int            // sequences with KV at once; 0 = 4
+	BatchSize      int            // most tokens in one forward pass; 0 = 512
 	FlashAttention FlashAttention // ggml's fused attention kernel; 0 = FlashAuto
-	KVType         ml.DType    // 0 = f16
-	WireDType      stage.DType // 0 = f16
-	NoRepack       bool        // keep quantized weights in ggml's plain layout
+	KVType         ml.DType       // 0 = f16
+	WireDType      stage.DType    // 0 = f16
+	NoRepack       bool           // keep quantized weights in ggml's plain layout
 	// Device places the stage: "cpu", "cuda" (or "rocm", "metal": any GPU
 	// library ggml loaded), or "auto"/"" = the first GPU if there is one,
 	// else the CPU. GPU backends are loaded at run time from
@@ -109,11 +109,9 @@ type Engine struct {
 	phases phaseClock
 	// Building passes ahead (see pass): on GPUs, where the host is
 	// otherwise idle while a pass computes. ahead holds the passes built
-	// for the batches predicted next, of disjoint sequences; aheadHits
-	// counts the predictions used.
+	// for the batches predicted next, of disjoint sequences.
 	buildsAhead bool
 	ahead       []*pass
-	aheadHits   atomic.Uint64
 }
 
 // Phases is where an engine's forward passes spent their time, summed
@@ -121,6 +119,7 @@ type Engine struct {
 // from device work (Wait); on a CPU ggml computes inside Launch.
 type Phases struct {
 	Passes uint64
+	Ahead  uint64        // passes that had been built ahead (see pass)
 	Graph  time.Duration // building the graph in Go, placing the batch in the KV cache, freeing the context
 	Launch time.Duration // ggml's scheduler: splitting, allocating, copying inputs, queueing the graph
 	Wait   time.Duration // waiting for the backend to finish and reading the result back
@@ -129,11 +128,11 @@ type Phases struct {
 // phaseClock accumulates Phases without a lock: Phases is read by
 // metrics scrapes while a pass runs.
 type phaseClock struct {
-	passes, graph, launch, wait atomic.Int64
+	passes, ahead, graph, launch, wait atomic.Int64
 }
 
 func (c *phaseClock) read() Phases {
-	return Phases{Passes: uint64(c.passes.Load()), Graph: time.Duration(c.graph.Load()),
+	return Phases{Passes: uint64(c.passes.Load()), Ahead: uint64(c.ahead.Load()), Graph: time.Duration(c.graph.Load()),
 		Launch: time.Duration(c.launch.Load()), Wait: time.Duration(c.wait.Load())}
 }
 

@@ -54,6 +54,7 @@ type Metrics struct {
 	stageCompute *prometheus.HistogramVec
 	stageTokens  *prometheus.CounterVec
 	stagePhase   *prometheus.CounterVec
+	stageAhead   *prometheus.CounterVec
 	peerRTT      *prometheus.HistogramVec
 	hopBytes     *prometheus.CounterVec
 	http         *prometheus.CounterVec
@@ -95,6 +96,8 @@ func NewMetrics(gauges func() Gauges) *Metrics {
 	m.stagePhase = f.counterVec("meshnode_stage_phase_seconds_total",
 		"Where this node's stage forward passes spent their time: phase=\"graph\" (building it on the host), \"launch\" (scheduling and queueing it), \"wait\" (the backend computing, and the read-back).",
 		"stage", "phase")
+	m.stageAhead = f.counterVec("meshnode_stage_passes_built_ahead_total",
+		"Forward passes of this node's stage whose graph was built while the previous pass computed (GPU stages, steady decoding).", "stage")
 	m.stageTokens = f.counterVec("meshnode_stage_tokens_total", "Token rows that went through this node's stage.", "stage", "kind")
 	m.peerRTT = f.histogramVec("meshnode_hop_rtt_seconds",
 		"Round trips to each peer (libp2p ping), label peer=peer ID; a pipeline hop's latency is the RTT between its two nodes.",
@@ -159,8 +162,9 @@ func (m *Metrics) StageForward(stage string, d time.Duration, rows, outputs int)
 }
 
 // StagePhases adds time that this node's stage spent in each phase of its
-// forward passes.
-func (m *Metrics) StagePhases(stage string, graph, launch, wait time.Duration) {
+// forward passes, and how many of them had been built ahead.
+func (m *Metrics) StagePhases(stage string, ahead uint64, graph, launch, wait time.Duration) {
+	m.stageAhead.WithLabelValues(stage).Add(float64(ahead))
 	m.stagePhase.WithLabelValues(stage, "graph").Add(graph.Seconds())
 	m.stagePhase.WithLabelValues(stage, "launch").Add(launch.Seconds())
 	m.stagePhase.WithLabelValues(stage, "wait").Add(wait.Seconds())

@@ -438,6 +438,7 @@ func millis(d time.Duration) string {
 // the graph on the host, launching it, and waiting for the backend.
 type StageTime struct {
 	Total, Graph, Launch, Wait time.Duration
+	Ahead                      float64 // the share of passes built ahead
 }
 
 // stepText says where a step went: each stage's compute, then the rest.
@@ -461,7 +462,11 @@ func phaseText(compute []StageTime) string {
 		if c.Graph+c.Launch+c.Wait <= 0 {
 			return ""
 		}
-		parts = append(parts, fmt.Sprintf("%s/%s/%s", millis(c.Graph), millis(c.Launch), millis(c.Wait)))
+		p := fmt.Sprintf("%s/%s/%s", millis(c.Graph), millis(c.Launch), millis(c.Wait))
+		if c.Ahead > 0 {
+			p += fmt.Sprintf(" (%.0f%% ahead)", 100*c.Ahead)
+		}
+		parts = append(parts, p)
 	}
 	return strings.Join(parts, " + ")
 }
@@ -476,6 +481,7 @@ const (
 	metricStep   = "meshnode_pipeline_step_seconds"
 	metricStage  = "meshnode_stage_compute_seconds"
 	metricPhases = "meshnode_stage_phase_seconds_total"
+	metricAhead  = "meshnode_stage_passes_built_ahead_total"
 )
 
 // timings reads every node's step and stage-compute histograms; a node
@@ -518,6 +524,13 @@ func parseSums(r io.Reader) sums {
 		}
 		s[name] = e
 	}
+	if fam, ok := fams[metricAhead]; ok {
+		var e [2]float64
+		for _, m := range fam.GetMetric() {
+			e[0] += m.GetCounter().GetValue()
+		}
+		s[metricAhead] = e
+	}
 	if fam, ok := fams[metricPhases]; ok {
 		for _, m := range fam.GetMetric() {
 			for _, l := range m.GetLabel() {
@@ -554,6 +567,7 @@ func breakdown(before, after []sums) (step time.Duration, compute []StageTime) {
 			Graph:  per(i, metricPhases+"/graph", metricStage),
 			Launch: per(i, metricPhases+"/launch", metricStage),
 			Wait:   per(i, metricPhases+"/wait", metricStage),
+			Ahead:  per(i, metricAhead, metricStage).Seconds(),
 		})
 	}
 	return step, compute

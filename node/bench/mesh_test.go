@@ -186,7 +186,9 @@ meshnode_stage_tokens_total{stage="0-2",kind="input"} 12
 meshnode_stage_phase_seconds_total{stage="0-2",phase="graph"} %g
 meshnode_stage_phase_seconds_total{stage="0-2",phase="launch"} %g
 meshnode_stage_phase_seconds_total{stage="0-2",phase="wait"} %g
-`, phases[0], phases[1], phases[2])
+# TYPE meshnode_stage_passes_built_ahead_total counter
+meshnode_stage_passes_built_ahead_total{stage="0-2"} %g
+`, phases[0], phases[1], phases[2], phases[3])
 		}
 		return s
 	}
@@ -206,15 +208,15 @@ meshnode_stage_phase_seconds_total{stage="0-2",phase="wait"} %g
 		},
 		{
 			name:    "phases",
-			before:  []string{scrape(1, 10, 0.5, 10, []float64{0.1, 0.2, 0.3}), scrape(0, 0, 0.2, 10, []float64{1, 1, 1})},
-			after:   []string{scrape(1.5, 110, 0.6, 110, []float64{0.11, 0.23, 0.36}), scrape(0, 0, 0.4, 110, []float64{1.1, 1.05, 1.05})},
+			before:  []string{scrape(1, 10, 0.5, 10, []float64{0.1, 0.2, 0.3, 5}), scrape(0, 0, 0.2, 10, []float64{1, 1, 1, 0})},
+			after:   []string{scrape(1.5, 110, 0.6, 110, []float64{0.11, 0.23, 0.36, 95}), scrape(0, 0, 0.4, 110, []float64{1.1, 1.05, 1.05, 0})},
 			step:    5 * time.Millisecond,
-			compute: []StageTime{{Total: ms(1), Graph: ms(0.1), Launch: ms(0.3), Wait: ms(0.6)}, {Total: ms(2), Graph: ms(1), Launch: ms(0.5), Wait: ms(0.5)}},
+			compute: []StageTime{{Total: ms(1), Graph: ms(0.1), Launch: ms(0.3), Wait: ms(0.6), Ahead: 0.9}, {Total: ms(2), Graph: ms(1), Launch: ms(0.5), Wait: ms(0.5)}},
 		},
 		{
 			name:    "no passes between the readings",
-			before:  []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3})},
-			after:   []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3})},
+			before:  []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3, 4})},
+			after:   []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3, 4})},
 			compute: []StageTime{{}},
 		},
 		{
@@ -241,17 +243,17 @@ meshnode_stage_phase_seconds_total{stage="0-2",phase="wait"} %g
 			}
 			for i, c := range compute {
 				w := tc.compute[i]
-				if !near(c.Total, w.Total) || !near(c.Graph, w.Graph) || !near(c.Launch, w.Launch) || !near(c.Wait, w.Wait) {
+				if !near(c.Total, w.Total) || !near(c.Graph, w.Graph) || !near(c.Launch, w.Launch) || !near(c.Wait, w.Wait) || math.Abs(c.Ahead-w.Ahead) > 1e-9 {
 					t.Fatalf("compute %+v, want %+v", compute, tc.compute)
 				}
 			}
 		})
 	}
-	two := []StageTime{{Total: ms(1), Graph: ms(0.25), Launch: ms(0.25), Wait: ms(0.5)}, {Total: ms(2), Graph: ms(0.5), Launch: ms(0.5), Wait: ms(1)}}
+	two := []StageTime{{Total: ms(1), Graph: ms(0.25), Launch: ms(0.25), Wait: ms(0.5), Ahead: 0.5}, {Total: ms(2), Graph: ms(0.5), Launch: ms(0.5), Wait: ms(1)}}
 	if got := stepText(5*time.Millisecond, two); got != "1.000 + 2.000, rest 2.000" {
 		t.Fatalf("stepText = %q", got)
 	}
-	if got := phaseText(two); got != "0.250/0.250/0.500 + 0.500/0.500/1.000" {
+	if got := phaseText(two); got != "0.250/0.250/0.500 (50% ahead) + 0.500/0.500/1.000" {
 		t.Fatalf("phaseText = %q", got)
 	}
 	if got := phaseText([]StageTime{{Total: ms(1)}}); got != "" {
