@@ -7,6 +7,7 @@ import (
 	"math"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -57,7 +58,7 @@ func openEngines(t testing.TB, bounds []int, opts ggufstage.Options, so ...stage
 // to the next hop up.
 type killSwitch struct {
 	mu    sync.Mutex
-	dead  bool
+	dead  atomic.Bool
 	conns []net.Conn
 }
 
@@ -66,21 +67,38 @@ var errKilled = errors.New("stage killed")
 func (k *killSwitch) track(c net.Conn) (net.Conn, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	if k.dead {
+	if k.dead.Load() {
 		c.Close()
 		return nil, errKilled
 	}
 	k.conns = append(k.conns, c)
-	return c, nil
+	return killConn{c, k}, nil
 }
 
+// kill cuts every connection of the stage. As with a process that dies,
+// nothing more leaves it: closing the connections one by one would let
+// the stage react to the first ones closed (its upstream, say) by telling
+// the others.
 func (k *killSwitch) kill() {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	k.dead = true
+	k.dead.Store(true)
 	for _, c := range k.conns {
 		c.Close()
 	}
+}
+
+// killConn is a connection that a killed stage can no longer write to.
+type killConn struct {
+	net.Conn
+	k *killSwitch
+}
+
+func (c killConn) Write(b []byte) (int, error) {
+	if c.k.dead.Load() {
+		return 0, errKilled
+	}
+	return c.Conn.Write(b)
 }
 
 type killListener struct {
