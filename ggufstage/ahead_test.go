@@ -8,7 +8,7 @@ import (
 )
 
 // TestBuildAhead runs one script of passes through a split built with
-// passes ahead (as on a GPU; forced here on the CPU) and through one
+// passes ahead (as on a GPU; turned on here on the CPU) and through one
 // without, and wants the same logits, bit for bit, after every pass. The
 // script has predictions that hit (steady decoding, two lanes taking
 // turns) and ones that miss (a sequence leaves, a trim, a prompt joins
@@ -41,18 +41,16 @@ func TestGPUBuildAhead(t *testing.T) {
 }
 
 func checkBuildAhead(t *testing.T, device string) {
-	opts := Options{Threads: 2, MaxSeqs: 3, Context: 128, Device: device}
+	opts := Options{Threads: 2, MaxSeqs: 3, Context: 128, Device: device, BuildAhead: On}
 	bounds := []int{0, 2, 5}
-	defer func() { testBuildAhead = 0 }()
-	testBuildAhead = 1
 	ahead := openSplit(t, storiesPath, bounds, opts)
 	defer ahead.close()
-	testBuildAhead = -1
+	opts.BuildAhead = Off
 	plain := openSplit(t, storiesPath, bounds, opts)
 	defer plain.close()
 	for i, s := range ahead.stages {
 		if !s.buildsAhead || plain.stages[i].buildsAhead {
-			t.Fatal("the test knob did not take")
+			t.Fatal("BuildAhead did not take")
 		}
 	}
 

@@ -29,14 +29,15 @@ import (
 
 // Options configure an engine.
 type Options struct {
-	Threads        int            // CPU threads; 0 = all cores
-	Context        int            // positions per sequence; 0 = the model's, capped at 4096
-	MaxSeqs        int            // sequences with KV at once; 0 = 4
-	BatchSize      int            // most tokens in one forward pass; 0 = 512
-	FlashAttention FlashAttention // ggml's fused attention kernel; 0 = FlashAuto
-	KVType         ml.DType       // 0 = f16
-	WireDType      stage.DType    // 0 = f16
-	NoRepack       bool           // keep quantized weights in ggml's plain layout
+	Threads        int         // CPU threads; 0 = all cores
+	Context        int         // positions per sequence; 0 = the model's, capped at 4096
+	MaxSeqs        int         // sequences with KV at once; 0 = 4
+	BatchSize      int         // most tokens in one forward pass; 0 = 512
+	FlashAttention Switch      // ggml's fused attention kernel; Auto: on GPUs (see Auto)
+	BuildAhead     Switch      // build the next decode pass while one computes (see pass); Auto: on GPUs
+	KVType         ml.DType    // 0 = f16
+	WireDType      stage.DType // 0 = f16
+	NoRepack       bool        // keep quantized weights in ggml's plain layout
 	// Device places the stage: "cpu", "cuda" (or "rocm", "metal": any GPU
 	// library ggml loaded), or "auto"/"" = the first GPU if there is one,
 	// else the CPU. GPU backends are loaded at run time from
@@ -44,42 +45,43 @@ type Options struct {
 	Device string
 }
 
-// FlashAttention says whether a stage runs ggml's fused (flash) attention
-// kernel.
-type FlashAttention int8
+// Switch is an engine feature's setting: Auto (on for a stage on a GPU,
+// off on the CPU), On or Off.
+type Switch int8
 
 const (
-	// FlashAuto is on for a stage on a GPU, where the fused kernel is the
-	// faster at every batch size (8B Q4_0 on an H200: 1.09x decode at 1
-	// stream, 1.11x at 32), and off on the CPU, where its f16 accumulation
-	// makes a sequence replayed into other KV cells round differently
-	// (see the README).
-	FlashAuto FlashAttention = iota
-	FlashOn
-	FlashOff
+	// Auto is on for a stage on a GPU, off on the CPU. For flash
+	// attention: the fused kernel is the faster on a GPU at every batch
+	// size (8B Q4_0 on an H200: 1.09x decode at 1 stream, 1.11x at 32),
+	// while on the CPU its f16 accumulation makes a sequence replayed into
+	// other KV cells round differently (see the README). For building
+	// passes ahead: only a GPU leaves the host idle while a pass computes.
+	Auto Switch = iota
+	On
+	Off
 )
 
-// on says whether the kernel runs, for a stage on a GPU or not.
-func (f FlashAttention) on(gpu bool) bool { return f == FlashOn || (f == FlashAuto && gpu) }
+// on says whether the feature runs, for a stage on a GPU or not.
+func (s Switch) on(gpu bool) bool { return s == On || (s == Auto && gpu) }
 
-// ParseFlashAttention reads "auto", "on" or "off" (or a boolean).
-func ParseFlashAttention(s string) (FlashAttention, error) {
+// ParseSwitch reads "auto", "on" or "off" (or a boolean).
+func ParseSwitch(s string) (Switch, error) {
 	switch strings.ToLower(s) {
 	case "auto", "":
-		return FlashAuto, nil
+		return Auto, nil
 	case "on", "true", "1":
-		return FlashOn, nil
+		return On, nil
 	case "off", "false", "0":
-		return FlashOff, nil
+		return Off, nil
 	}
-	return FlashAuto, fmt.Errorf("flash attention %q: want auto, on or off", s)
+	return Auto, fmt.Errorf("%q: want auto, on or off", s)
 }
 
-func (f FlashAttention) String() string {
-	switch f {
-	case FlashOn:
+func (s Switch) String() string {
+	switch s {
+	case On:
 		return "on"
-	case FlashOff:
+	case Off:
 		return "off"
 	}
 	return "auto"
@@ -172,10 +174,6 @@ func (e *Engine) Broken() error {
 
 // testPanic, when set by a test, is called inside Forward where ggml runs.
 var testPanic func()
-
-// testBuildAhead, when set by a test before Open, decides whether engines
-// build passes ahead: 1 always, -1 never, 0 on GPUs only.
-var testBuildAhead int
 
 // Open loads a stage from a GGUF file that holds (at least) the tensors of
 // layers [start,end): a slice written by Slice, or a whole model.
@@ -291,7 +289,7 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 	if gpu != nil {
 		e.info.Backend = gpu.Library
 	}
-	e.buildsAhead = (gpu != nil || testBuildAhead > 0) && testBuildAhead >= 0
+	e.buildsAhead = opts.BuildAhead.on(gpu != nil)
 	e.slots = make(map[stage.SeqID]int)
 	for i := opts.MaxSeqs - 1; i >= 0; i-- {
 		e.free = append(e.free, i)

@@ -398,15 +398,15 @@ func TestKVTypeChecked(t *testing.T) {
 		name    string
 		path    string
 		kv      ml.DType
-		fa      FlashAttention
+		fa      Switch
 		wantErr string
 	}{
-		{"f16", storiesPath, ml.DTypeF16, FlashOff, ""},
-		{"q8_0 without flash attention", qwen, ml.DTypeQ80, FlashOff, "needs flash attention"},
-		{"q8_0, flash attention auto on the CPU", qwen, ml.DTypeQ80, FlashAuto, "needs flash attention"},
-		{"q8_0, head dimension 8", storiesPath, ml.DTypeQ80, FlashOn, "multiple of 32"},
-		{"q8_0, head dimension 32", qwen, ml.DTypeQ80, FlashOn, ""},
-		{"i32", storiesPath, ml.DTypeI32, FlashOn, "not supported"},
+		{"f16", storiesPath, ml.DTypeF16, Off, ""},
+		{"q8_0 without flash attention", qwen, ml.DTypeQ80, Off, "needs flash attention"},
+		{"q8_0, flash attention auto on the CPU", qwen, ml.DTypeQ80, Auto, "needs flash attention"},
+		{"q8_0, head dimension 8", storiesPath, ml.DTypeQ80, On, "multiple of 32"},
+		{"q8_0, head dimension 32", qwen, ml.DTypeQ80, On, ""},
+		{"i32", storiesPath, ml.DTypeI32, On, "not supported"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

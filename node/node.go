@@ -47,7 +47,8 @@ type Config struct {
 	QueueSize      int
 	MaxTokensCap   int
 	APIKey         string
-	FlashAttention ggufstage.FlashAttention // 0: on for a stage on a GPU, off on the CPU
+	FlashAttention ggufstage.Switch // Auto: on for a stage on a GPU, off on the CPU
+	BuildAhead     ggufstage.Switch // Auto: on for a stage on a GPU (see ggufstage.Options)
 	NoRepack       bool
 	Device         string // cpu, cuda, auto: where this node's layers run
 	Logger         *zap.Logger

@@ -45,7 +45,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	fs.IntVar(&cfg.PromptTokens, "prompt", 512, "prompt tokens per sequence")
 	fs.IntVar(&cfg.DecodeTokens, "decode", 128, "decode steps")
 	fs.IntVar(&cfg.Runs, "runs", 1, "repetitions, medians reported; with --mesh, rounds that form every mesh in turn, so drift hits all stage counts alike")
-	fs.Var(flashFlag{&cfg.FlashAttn}, "flash-attn", "the fused attention kernel in both engines (and every node): auto (on GPUs), on, off")
+	fs.Var(switchFlag{&cfg.FlashAttn}, "flash-attn", "the fused attention kernel in both engines (and every node): auto (on GPUs), on, off")
 	fs.BoolVar(&cfg.SkipReference, "no-reference", false, "skip ollama's stock engine")
 	fs.StringVar(&cfg.Device, "device", "auto", "where both engines run: auto, cpu, cuda")
 	streams := fs.String("streams", "1,8", "comma-separated concurrent sequence counts")
@@ -80,7 +80,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		if set["prompt"] {
 			mc.PromptTokens = cfg.PromptTokens // else the mesh's own default, 64
 		}
-		if cfg.FlashAttn != ggufstage.FlashAuto {
+		if cfg.FlashAttn != ggufstage.Auto {
 			mc.NodeArgs = append(mc.NodeArgs, "--flash-attn="+cfg.FlashAttn.String())
 		}
 		if cfg.Device != "" && cfg.Device != "auto" {

@@ -47,7 +47,8 @@ func (f *nodeFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.BatchTokens, "batch", 512, "most tokens in one forward pass (prefill chunk size)")
 	fs.IntVar(&c.QueueSize, "queue", 64, "requests that may wait for a free sequence before new ones get 429")
 	fs.IntVar(&c.MaxTokensCap, "max-tokens", 4096, "upper bound on max_tokens of a request")
-	fs.Var(flashFlag{&c.FlashAttention}, "flash-attn", "ggml's fused attention kernel: auto (on for layers on a GPU, off on the CPU), on, off. On the CPU it gives 1.4-1.8x decode with several sequences, but a replay after a node failure may then differ from the uninterrupted text (see README)")
+	fs.Var(switchFlag{&c.BuildAhead}, "build-ahead", "on a decode step, build the next step's graph while this one computes: auto (on for layers on a GPU, where the host is otherwise idle), on, off")
+	fs.Var(switchFlag{&c.FlashAttention}, "flash-attn", "ggml's fused attention kernel: auto (on for layers on a GPU, off on the CPU), on, off. On the CPU it gives 1.4-1.8x decode with several sequences, but a replay after a node failure may then differ from the uninterrupted text (see README)")
 	fs.BoolVar(&c.NoRepack, "no-repack", false, "keep quantized weights in ggml's plain layout (slower on CPU)")
 	fs.StringVar(&c.Device, "device", "auto", "where layers run: auto (a GPU if ggml has one), cpu, cuda, metal")
 	fs.DurationVar(&c.DrainTimeout, "drain-timeout", 60*time.Second, "on SIGTERM or 'meshnode leave', how long to wait for requests to finish and the mesh to take this node's layers")
@@ -198,19 +199,19 @@ func parseBytes(s string) (uint64, error) {
 	return uint64(v * float64(mult)), nil
 }
 
-// flashFlag is --flash-attn: auto, on or off. A bare --flash-attn, as
-// before the flag took a value, means on.
-type flashFlag struct{ v *ggufstage.FlashAttention }
+// switchFlag is a flag of auto, on or off (--flash-attn, --build-ahead).
+// A bare --flash-attn, as before the flag took a value, means on.
+type switchFlag struct{ v *ggufstage.Switch }
 
-func (f flashFlag) String() string {
+func (f switchFlag) String() string {
 	if f.v == nil {
-		return ggufstage.FlashAuto.String()
+		return ggufstage.Auto.String()
 	}
 	return f.v.String()
 }
 
-func (f flashFlag) Set(s string) error {
-	v, err := ggufstage.ParseFlashAttention(s)
+func (f switchFlag) Set(s string) error {
+	v, err := ggufstage.ParseSwitch(s)
 	if err != nil {
 		return err
 	}
@@ -218,4 +219,4 @@ func (f flashFlag) Set(s string) error {
 	return nil
 }
 
-func (f flashFlag) IsBoolFlag() bool { return true }
+func (f switchFlag) IsBoolFlag() bool { return true }

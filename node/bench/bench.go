@@ -23,7 +23,7 @@ type Config struct {
 	DecodeTokens  int   // default 128
 	Streams       []int // concurrent sequences; default 1 and 8
 	Runs          int   // repetitions; the median is reported
-	FlashAttn     ggufstage.FlashAttention
+	FlashAttn     ggufstage.Switch
 	SkipReference bool   // measure only meshnode's engine
 	Device        string // "cpu", "cuda", "auto" (see ggufstage.Options.Device)
 }

@@ -292,7 +292,8 @@ func TestSigtermMidRequest(t *testing.T) {
 	checkGreedy(t, m.nodes[2], stories)
 }
 
-// metricValue reads one unlabelled metric from a node's /metrics.
+// metricValue reads a metric from a node's /metrics, summed over its
+// label sets.
 func metricValue(n *meshNode, name string) (float64, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -305,14 +306,20 @@ func metricValue(n *meshNode, name string) (float64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("%s /metrics: %w", n.name, err)
 	}
+	sum, found := 0.0, false
 	for _, line := range strings.Split(string(body), "\n") {
-		if v, ok := strings.CutPrefix(line, name+" "); ok {
-			var f float64
-			if _, err := fmt.Sscan(v, &f); err != nil {
-				return 0, fmt.Errorf("%s /metrics: %s: %w", n.name, line, err)
-			}
-			return f, nil
+		if !strings.HasPrefix(line, name+" ") && !strings.HasPrefix(line, name+"{") {
+			continue
 		}
+		fields := strings.Fields(line)
+		var f float64
+		if _, err := fmt.Sscan(fields[len(fields)-1], &f); err != nil {
+			return 0, fmt.Errorf("%s /metrics: %s: %w", n.name, line, err)
+		}
+		sum, found = sum+f, true
 	}
-	return 0, fmt.Errorf("%s /metrics has no %s", n.name, name)
+	if !found {
+		return 0, fmt.Errorf("%s /metrics has no %s", n.name, name)
+	}
+	return sum, nil
 }

@@ -701,6 +701,7 @@ func checkGreedy(t *testing.T, n *meshNode, model *testModel) {
 type testMesh struct {
 	model *testModel
 	wire  string
+	extra []string // more flags for every node
 	nodes []*meshNode
 	join  string // node 1's libp2p address, as its join command prints it
 	key   string // the mesh key, likewise
@@ -714,21 +715,21 @@ var (
 // nodeArgs are the flags every node of these tests gets: loopback only,
 // any free ports, one compute thread (the machine is small and shared;
 // ggml's workers busy-wait).
-func nodeArgs(dataDir, wire string) []string {
-	return []string{
+func nodeArgs(dataDir, wire string, extra ...string) []string {
+	return append([]string{
 		"--data-dir", dataDir, "--http", "127.0.0.1:0", "--listen", "/ip4/127.0.0.1/tcp/0",
 		"--gossip-port", "-1", "--threads", "1", "--wire-dtype", wire,
-	}
+	}, extra...)
 }
 
 // startMesh starts node1 (serve --split, the only one with the model
 // file) and n-1 joiners, and waits until all of them serve a plan with a
 // stage on each.
-func startMesh(t *testing.T, model *testModel, n int, wire string) *testMesh {
+func startMesh(t *testing.T, model *testModel, n int, wire string, extra ...string) *testMesh {
 	t.Helper()
-	m := &testMesh{model: model, wire: wire}
+	m := &testMesh{model: model, wire: wire, extra: extra}
 	dir := t.TempDir()
-	args := append([]string{"serve", "--split", "--model", model.path, "--ctx", fmt.Sprint(ctxLen)}, nodeArgs(filepath.Join(dir, "node1"), wire)...)
+	args := append([]string{"serve", "--split", "--model", model.path, "--ctx", fmt.Sprint(ctxLen)}, nodeArgs(filepath.Join(dir, "node1"), wire, extra...)...)
 	first := &meshNode{name: "node1", dataDir: filepath.Join(dir, "node1")}
 	first.proc = startProc(t, "node1", binPath, args...)
 	jm := first.proc.waitLine(t, joinRE, formTimeout)
@@ -750,7 +751,7 @@ func startMesh(t *testing.T, model *testModel, n int, wire string) *testMesh {
 func (m *testMesh) startJoiner(t *testing.T, name string) *meshNode {
 	t.Helper()
 	nd := &meshNode{name: name, dataDir: filepath.Join(t.TempDir(), name)}
-	args := append([]string{"join", m.join, "--mesh-key", m.key}, nodeArgs(nd.dataDir, m.wire)...)
+	args := append([]string{"join", m.join, "--mesh-key", m.key}, nodeArgs(nd.dataDir, m.wire, m.extra...)...)
 	nd.proc = startProc(t, name, binPath, args...)
 	return nd
 }

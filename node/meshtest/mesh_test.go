@@ -34,6 +34,19 @@ func TestSplitMesh(t *testing.T) {
 			})
 		}
 	}
+	// Stages on a GPU build each decode step's graph while the one before
+	// computes; CI has no GPU, so the mesh does it on the CPU here.
+	t.Run(stories.id+"/f32/build-ahead", func(t *testing.T) {
+		m := startMesh(t, stories, 3, "f32", "--build-ahead=on")
+		for _, n := range m.nodes {
+			checkGreedy(t, n, stories)
+		}
+		for _, n := range m.nodes {
+			if v, err := metricValue(n, "meshnode_stage_passes_built_ahead_total"); err != nil || v == 0 {
+				t.Errorf("%s: passes built ahead %v (%v), want some", n.name, v, err)
+			}
+		}
+	})
 }
 
 // checkHealth: a node with a complete pipeline says so on /health.

@@ -1,0 +1,70 @@
+package main
+
+import (
+	"io"
+	"testing"
+
+	"github.com/meshnode/meshnode/ggufstage"
+)
+
+// TestFlashAttnFlag parses --flash-attn the ways users write it: the bare
+// boolean form of earlier versions, a value, a config file's boolean, the
+// environment, and nonsense; then --build-ahead.
+func TestFlashAttnFlag(t *testing.T) {
+	tests := []struct {
+		name    string
+		args    []string
+		env     string
+		want    ggufstage.Switch
+		wantErr bool
+	}{
+		{"default", nil, "", ggufstage.Auto, false},
+		{"bare", []string{"--flash-attn"}, "", ggufstage.On, false},
+		{"off", []string{"--flash-attn=off"}, "", ggufstage.Off, false},
+		{"false", []string{"--flash-attn=false"}, "", ggufstage.Off, false},
+		{"auto", []string{"--flash-attn=auto"}, "", ggufstage.Auto, false},
+		{"config file", []string{"--config", ""}, "", ggufstage.On, false},
+		{"environment", nil, "on", ggufstage.On, false},
+		{"nonsense", []string{"--flash-attn=maybe"}, "", ggufstage.Auto, true},
+	}
+	// --build-ahead takes the same values; it is checked on its own field.
+	ahead := []struct {
+		args []string
+		want ggufstage.Switch
+	}{
+		{nil, ggufstage.Auto},
+		{[]string{"--build-ahead=on"}, ggufstage.On},
+		{[]string{"--build-ahead=off", "--flash-attn"}, ggufstage.Off},
+	}
+	for _, tc := range ahead {
+		var f nodeFlags
+		fs := newFlags("serve [flags]", "test", "")
+		fs.SetOutput(io.Discard)
+		f.register(fs)
+		if err := parse(fs, tc.args); err != nil || f.cfg.BuildAhead != tc.want {
+			t.Errorf("parse %v: build ahead %v (%v), want %v", tc.args, f.cfg.BuildAhead, err, tc.want)
+		}
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.env != "" {
+				t.Setenv("MESHNODE_FLASH_ATTN", tc.env)
+			}
+			args := tc.args
+			if len(args) == 2 && args[0] == "--config" {
+				args = []string{"--config", writeFile(t, "m.conf", "flash-attn = true\n")}
+			}
+			var f nodeFlags
+			fs := newFlags("serve [flags]", "test", "")
+			fs.SetOutput(io.Discard)
+			f.register(fs)
+			err := parse(fs, args)
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("parse %v: %v", args, err)
+			}
+			if err == nil && f.cfg.FlashAttention != tc.want {
+				t.Fatalf("parse %v: flash attention %v, want %v", args, f.cfg.FlashAttention, tc.want)
+			}
+		})
+	}
+}
