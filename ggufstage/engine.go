@@ -486,7 +486,7 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 	p := e.takeAhead(b, slots)
 	if p == nil {
 		if p, err = e.build(b.Seqs, b.Pos, slots, b.Outputs); err != nil {
-			return nil, err
+			return nil, fmt.Errorf("placing batch in the KV cache: %w", err)
 		}
 	}
 	defer func() {
