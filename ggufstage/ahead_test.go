@@ -1,7 +1,6 @@
 package ggufstage
 
 import (
-	"os"
 	"testing"
 
 	"github.com/meshnode/meshnode/stage"
@@ -30,13 +29,7 @@ func TestBuildAhead(t *testing.T) {
 // TestGPUBuildAhead is TestBuildAhead on a GPU, where engines build ahead
 // by default; CI machines have no GPU, so there it says so and skips.
 func TestGPUBuildAhead(t *testing.T) {
-	devs, err := Devices(storiesPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(devs) == 0 {
-		t.Skipf("no GPU backend loaded (OLLAMA_LIBRARY_PATH=%q): build one with deploy/gpu/build-cuda.sh on a machine with a GPU", os.Getenv("OLLAMA_LIBRARY_PATH"))
-	}
+	needGPU(t)
 	checkBuildAhead(t, "auto")
 }
 

@@ -5,6 +5,8 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/ollama/ollama/ml"
+
 	"github.com/meshnode/meshnode/stage"
 )
 
@@ -13,13 +15,7 @@ import (
 // deploy/gpu/build-cuda.sh): the split gives the same greedy tokens. CI
 // machines have no GPU, so there it says so and skips.
 func TestGPUSplitEquivalence(t *testing.T) {
-	devs, err := Devices(storiesPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(devs) == 0 {
-		t.Skipf("no GPU backend loaded (OLLAMA_LIBRARY_PATH=%q): build one with deploy/gpu/build-cuda.sh on a machine with a GPU", os.Getenv("OLLAMA_LIBRARY_PATH"))
-	}
+	devs := needGPU(t)
 	opts := Options{Threads: 1, MaxSeqs: 2, Context: 256, Device: "auto"}
 	gen := func(p *pipeline) []int32 {
 		p.open(t, 1)
@@ -57,13 +53,7 @@ func stageBatchAt(pos, tok int32) stage.Batch {
 // and a node at 8 streams fail with an illegal memory access on an H200:
 // ggml's kernels for several rows are not safe to capture.)
 func TestGPUBatchedDecode(t *testing.T) {
-	devs, err := Devices(storiesPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(devs) == 0 {
-		t.Skipf("no GPU backend loaded (OLLAMA_LIBRARY_PATH=%q): build one with deploy/gpu/build-cuda.sh on a machine with a GPU", os.Getenv("OLLAMA_LIBRARY_PATH"))
-	}
+	needGPU(t)
 	const steps = 40
 	starts := []int32{1, 100, 300} // first tokens: three different stories (the vocabulary has 512)
 	opts := Options{Threads: 1, MaxSeqs: len(starts), Context: 256, Device: "auto"}
@@ -109,4 +99,18 @@ func TestGPUBatchedDecode(t *testing.T) {
 			t.Errorf("sequence %d decoded with two others:\n%v\nalone:\n%v", i, together[i], alone)
 		}
 	}
+}
+
+// needGPU returns the GPU devices ggml loaded, or skips the test where there
+// are none, as on CI machines.
+func needGPU(t *testing.T) []ml.DeviceInfo {
+	t.Helper()
+	devs, err := Devices(storiesPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(devs) == 0 {
+		t.Skipf("no GPU backend loaded (OLLAMA_LIBRARY_PATH=%q): build one with deploy/gpu/build-cuda.sh on a machine with a GPU", os.Getenv("OLLAMA_LIBRARY_PATH"))
+	}
+	return devs
 }

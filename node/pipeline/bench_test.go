@@ -4,8 +4,6 @@ import (
 	"context"
 	"testing"
 
-	"google.golang.org/grpc"
-
 	"github.com/meshnode/meshnode/stage"
 )
 
@@ -60,13 +58,7 @@ func BenchmarkDecodeStep(b *testing.B) {
 			m := newMesh(b, tc.bounds, engineOpts, tc.opts...)
 			var cfg Config
 			if tc.inproc {
-				local := InProcess(m.stages[0].srv)
-				cfg.Dial = func(ctx context.Context, peer string) (grpc.ClientConnInterface, error) {
-					if peer == m.stages[0].addr {
-						return local, nil
-					}
-					return m.conns.Dial(ctx, peer)
-				}
+				cfg.Dial = m.dialHop0InProcess()
 			}
 			p := m.pipeline(b, cfg)
 			if err := p.Open(seq, greedy(), prompt); err != nil {

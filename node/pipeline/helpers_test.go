@@ -255,6 +255,18 @@ func newMesh(t testing.TB, bounds []int, eo ggufstage.Options, so ...stageOpts) 
 	return m
 }
 
+// dialHop0InProcess is a Dialer that reaches hop 0 in process, as a node
+// reaches its own stage, and the other hops over TCP.
+func (m *mesh) dialHop0InProcess() Dialer {
+	local := InProcess(m.stages[0].srv)
+	return func(ctx context.Context, peer string) (grpc.ClientConnInterface, error) {
+		if peer == m.stages[0].addr {
+			return local, nil
+		}
+		return m.conns.Dial(ctx, peer)
+	}
+}
+
 func (m *mesh) pipeline(t testing.TB, cfg Config) *Pipeline {
 	t.Helper()
 	cfg.Route = m.route

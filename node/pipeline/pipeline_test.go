@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
-
 	"github.com/meshnode/meshnode/node/sample"
 	"github.com/meshnode/meshnode/node/wire"
 	"github.com/meshnode/meshnode/stage"
@@ -37,13 +35,7 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 			m := newMesh(t, threeStages, engineOpts, tc.so...)
 			cfg := Config{WireDType: tc.dtype, ReturnLogits: tc.logits}
 			if tc.inproc {
-				local := InProcess(m.stages[0].srv)
-				cfg.Dial = func(ctx context.Context, peer string) (grpc.ClientConnInterface, error) {
-					if peer == m.stages[0].addr {
-						return local, nil
-					}
-					return m.conns.Dial(ctx, peer)
-				}
+				cfg.Dial = m.dialHop0InProcess()
 			}
 			p := m.pipeline(t, cfg)
 			if info := p.Info(); info.Start != 0 || info.End != 5 || info.Layers != 5 || info.Vocab != 512 || info.Context != 256 || info.WireDType != tc.dtype {
