@@ -122,7 +122,7 @@ type Engine struct {
 type Phases struct {
 	Passes uint64
 	Ahead  uint64        // passes that had been built ahead (see pass)
-	Graph  time.Duration // building the graph in Go, placing the batch in the KV cache, freeing the context
+	Graph  time.Duration // building the graph in Go (the next pass's too, when built ahead while this one computes), placing rows in the KV cache, freeing the context
 	Launch time.Duration // ggml's scheduler: splitting, allocating, copying inputs, queueing the graph
 	Wait   time.Duration // waiting for the backend to finish and reading the result back
 }

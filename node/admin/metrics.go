@@ -94,7 +94,7 @@ func NewMetrics(gauges func() Gauges) *Metrics {
 		"Forward passes of this node's stage (its layer range, label stage=\"START-END\"), compute only.",
 		prometheus.ExponentialBucketsRange(0.0001, 30, 18), "stage")
 	m.stagePhase = f.counterVec("meshnode_stage_phase_seconds_total",
-		"Where this node's stage forward passes spent their time: phase=\"graph\" (building it on the host), \"launch\" (scheduling and queueing it), \"wait\" (the backend computing, and the read-back).",
+		"Where this node's stage forward passes spent their time: phase=\"graph\" (building it on the host, and the next pass's while this one computes when built ahead), \"launch\" (scheduling and queueing it), \"wait\" (the backend computing, and the read-back).",
 		"stage", "phase")
 	m.stageAhead = f.counterVec("meshnode_stage_passes_built_ahead_total",
 		"Forward passes of this node's stage whose graph was built while the previous pass computed (GPU stages, steady decoding).", "stage")
