@@ -2,8 +2,10 @@ package ggufstage
 
 import (
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
+	"unsafe"
 
 	"github.com/ollama/ollama/kvcache"
 	"github.com/ollama/ollama/ml"
@@ -159,4 +161,52 @@ func (a qwen3Adapter) head(ctx ml.Context, h ml.Tensor) ml.Tensor {
 
 func (a qwen3Adapter) required(s, e, l int) []string {
 	return requiredTensors(s, e, l, blockTensors["qwen3"])
+}
+
+// defaultRopeBase is RoPE's frequency base where a GGUF does not give one:
+// llama.cpp's default and the original Llama's (and llama2.c's, whose
+// converted models, stories260K among them, carry no such key).
+const defaultRopeBase = 10000
+
+// fixRopeBase gives m llama.cpp's RoPE base when the file has none. ollama's
+// model code defaults it to 1e5 (llama) or 0 (qwen2, qwen3), so such files
+// would rotate positions at the wrong speed: stories260K then drifts from
+// llama.cpp's greedy text after 30 tokens (TestGreedyMatchesLlamaCpp). The
+// base sits in an unexported field of the pinned ollama version's model
+// options; a model without it is an error, not a silent skip.
+func fixRopeBase(m model.Model, meta *gguf.File) error {
+	if _, ok := meta.Get(meta.Arch() + ".rope.freq_base"); ok {
+		return nil
+	}
+	f := findField(reflect.ValueOf(m), "ropeBase", 3)
+	if !f.IsValid() || f.Kind() != reflect.Float32 || !f.CanAddr() {
+		return fmt.Errorf("%s has no rope.freq_base and model type %T has no RoPE base to set", meta.Arch(), m)
+	}
+	reflect.NewAt(f.Type(), unsafe.Pointer(f.UnsafeAddr())).Elem().SetFloat(defaultRopeBase)
+	return nil
+}
+
+// findField looks for a field named name in v's struct and the structs it
+// embeds, through pointers, depth levels down.
+func findField(v reflect.Value, name string, depth int) reflect.Value {
+	for v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface {
+		if v.IsNil() {
+			return reflect.Value{}
+		}
+		v = v.Elem()
+	}
+	if v.Kind() != reflect.Struct || depth < 0 {
+		return reflect.Value{}
+	}
+	if f := v.FieldByName(name); f.IsValid() {
+		return f
+	}
+	for i := range v.NumField() {
+		if v.Type().Field(i).Anonymous {
+			if f := findField(v.Field(i), name, depth-1); f.IsValid() {
+				return f
+			}
+		}
+	}
+	return reflect.Value{}
 }

@@ -250,6 +250,9 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 			eng.close() // backendMu is held
 		}
 	}()
+	if err := fixRopeBase(m, meta); err != nil {
+		return nil, fmt.Errorf("loading %s: %w", path, err)
+	}
 	eps, _ := meta.Get(meta.Arch() + ".attention.layer_norm_rms_epsilon")
 	epsf, _ := eps.V.(float32)
 	if e.arch, err = newAdapter(m, epsf); err != nil {

@@ -71,8 +71,14 @@ func OpenStock(path string, opts Options) (s *Stock, err error) {
 	}
 	m.Config().Cache.Init(m.Backend(), kv, opts.MaxSeqs, opts.Context, opts.BatchSize) // Context per sequence
 	meta, err := readHeader(path)
+	if err == nil {
+		// The same RoPE default as the engine's: this reference is for
+		// speed and for the engine's loop, not for ollama's defaults.
+		err = fixRopeBase(m, meta)
+	}
 	if err != nil {
-		return nil, err
+		m.Backend().Close()
+		return nil, fmt.Errorf("loading %s: %w", path, err)
 	}
 	vocab := 0
 	if t, ok := meta.Tensor("output.weight"); ok {

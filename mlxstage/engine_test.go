@@ -37,15 +37,6 @@ var ggmlOpts = ggufstage.Options{Threads: 1, MaxSeqs: 2, Context: 256, KVType: m
 
 var refOpts = Options{Engine: EngineReference, MaxSeqs: 2, Context: 256, WireDType: stage.F32}
 
-// ollamaRopeBase is the RoPE base ggufstage applies to stories260K.gguf.
-// The file has no llama.rope.freq_base key; llama.cpp then uses 10000 (what
-// the model was trained with, and the rope_theta of the HF config), but
-// ollama's llama model, which ggufstage runs, defaults to 1e5. To compare
-// like with like the reference stages see the HF directory with rope_theta
-// set to ollama's value; TestStoriesRopeBase shows the difference is only
-// that.
-const ollamaRopeBase = 1e5
-
 // withConfig serves dir's files with config.json's keys overridden.
 func withConfig(t testing.TB, dir string, set map[string]any) safetensors.Opener {
 	t.Helper()
@@ -152,11 +143,7 @@ func build(t *testing.T, gguf, hf string, specs ...stageSpec) *pipeline {
 				e, err = ggufstage.Open(path, s.start, s.end, ggmlOpts)
 			}
 		} else {
-			opts := refOpts
-			if hf == storiesHF {
-				opts.Files = withConfig(t, hf, map[string]any{"rope_theta": ollamaRopeBase})
-			}
-			e, err = Open(hf, s.start, s.end, opts)
+			e, err = Open(hf, s.start, s.end, refOpts)
 		}
 		if err != nil {
 			p.close()
@@ -376,34 +363,6 @@ func TestSynthMatchesGGUF(t *testing.T) {
 				})
 			}
 		})
-	}
-}
-
-// TestStoriesRopeBase pins down why the stories comparisons override
-// rope_theta: with the HF config's own value (10000, what the model was
-// trained with) the reference stages differ from ggufstage, which runs the
-// GGUF at ollama's default base of 1e5. If this test fails, ggufstage has
-// started reading the GGUF like llama.cpp (10000 when the key is absent);
-// drop ollamaRopeBase then.
-func TestStoriesRopeBase(t *testing.T) {
-	cfg, err := ReadConfig(safetensors.Dir(storiesHF))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cfg.RopeTheta != 10000 {
-		t.Fatalf("stories260K-hf rope_theta = %g, want 10000", cfg.RopeTheta)
-	}
-	ggml := build(t, storiesGGUF, storiesHF, stageSpec{true, 0, 5})
-	defer ggml.close()
-	e, err := Open(storiesHF, 0, 5, refOpts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	stock := &pipeline{stages: []stage.Engine{e}, wire: stage.F32}
-	defer stock.close()
-	w, g := storiesScenario.run(t, ggml), storiesScenario.run(t, stock)
-	if d := maxAbsDiff(w[0], g[0]); d < 0.01 {
-		t.Errorf("with rope_theta 10000 the logits differ from ggufstage's by only %g: has ggufstage's RoPE base changed?", d)
 	}
 }
 

@@ -116,9 +116,7 @@ func TestTiedHeadTensors(t *testing.T) {
 }
 
 func TestSequenceBookkeeping(t *testing.T) {
-	opts := refOpts
-	opts.Files = withConfig(t, storiesHF, map[string]any{"rope_theta": ollamaRopeBase})
-	e, err := Open(storiesHF, 0, 5, opts)
+	e, err := Open(storiesHF, 0, 5, refOpts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,3 +24,10 @@ func BreakStage(cfg Config, broken func() error) Config {
 	cfg.stageBroken = func(stage.Engine) error { return broken() }
 	return cfg
 }
+
+// KVF32 gives the node's GGUF stages an f32 KV cache, the precision the
+// emulated MLX engine keeps.
+func KVF32(cfg Config) Config {
+	cfg.kvF32 = true
+	return cfg
+}

@@ -20,6 +20,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/libp2p/go-libp2p/core/protocol"
+	"github.com/ollama/ollama/ml"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -1024,12 +1025,16 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 		if err != nil {
 			return err
 		}
-		var e *ggufstage.Engine
-		e, err = ggufstage.Open(ls.slice, want.Start, want.End, ggufstage.Options{
+		opts := ggufstage.Options{
 			Threads: m.cfg.Threads, Context: mm.ref.Context, MaxSeqs: max(mm.ref.Parallel, 1),
 			BatchSize: m.cfg.BatchTokens, FlashAttention: m.cfg.FlashAttention, BuildAhead: m.cfg.BuildAhead, NoRepack: m.cfg.NoRepack,
 			WireDType: m.cfg.WireDType, Device: m.cfg.Device,
-		})
+		}
+		if m.cfg.kvF32 {
+			opts.KVType = ml.DTypeF32
+		}
+		var e *ggufstage.Engine
+		e, err = ggufstage.Open(ls.slice, want.Start, want.End, opts)
 		if err != nil {
 			return err
 		}

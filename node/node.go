@@ -93,6 +93,10 @@ type Config struct {
 	// stageBroken, when set, replaces asking the local stage's engine
 	// whether it is broken (brokenErr); only tests set it.
 	stageBroken func(stage.Engine) error
+
+	// kvF32, set only by tests, gives GGUF stages an f32 KV cache (the
+	// planner still counts f16), to compare with engines that keep f32.
+	kvF32 bool
 }
 
 // mlxDevice is where this node would run MLX stages ("metal", "emulated"
