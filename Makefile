@@ -2,6 +2,8 @@
 #   make build     -> ./bin/meshnode (fast path: native SIMD + CPU_REPACK weights)
 #   make test      -> the whole test suite (what .ci/run runs)
 #   make portable  -> x86-64-v3 release build
+#   make llamacpp-ref -> ./bin/llamacpp-ref: llama.cpp's own engine, the
+#                     reference that bench and tests compare against
 # A plain `go build ./...` still works; it is only slower (no SIMD, no repack).
 
 GO        ?= go
@@ -15,7 +17,7 @@ export CGO_CXXFLAGS = -O3 -march=$(MARCH)
 export CGO_CPPFLAGS = -DGGML_USE_CPU_REPACK $(GGML_INC)
 TAGS      ?= repack
 
-.PHONY: build portable test fuzz vet proto bench clean env serve
+.PHONY: build portable test fuzz vet proto bench clean env serve llamacpp-ref
 
 build:
 	$(GO) build -tags '$(TAGS)' -o bin/meshnode ./cmd/meshnode
@@ -28,13 +30,18 @@ portable:
 env:
 	@echo "export CGO_ENABLED=1 CGO_CFLAGS='$(CGO_CFLAGS)' CGO_CXXFLAGS='$(CGO_CXXFLAGS)' CGO_CPPFLAGS='$(CGO_CPPFLAGS)'"
 
+# llama.cpp's engine from the sources of the pinned ollama module (see
+# deploy/llamacpp/Makefile); objects stay in ~/.cache/meshnode between builds.
+llamacpp-ref:
+	$(MAKE) -C deploy/llamacpp -j$(shell nproc) OUT=$(CURDIR)/bin MARCH=$(MARCH)
+
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-test:
+test: llamacpp-ref
 	$(GO) vet -tags '$(TAGS)' ./...
 	test -z "$$(gofmt -l .)" || (gofmt -l .; echo "gofmt: the files above need formatting"; exit 1)
 	$(GO) run $(STATICCHECK) -tags '$(TAGS)' ./...
-	$(GO) test -tags '$(TAGS)' -count=1 -timeout 60m ./...
+	MESHNODE_LLAMACPP_REF=$(CURDIR)/bin/llamacpp-ref $(GO) test -tags '$(TAGS)' -count=1 -timeout 60m ./...
 	$(GO) test -race -count=1 -timeout 20m ./stage/... ./node/ ./node/pipeline/ ./node/planner/ ./node/membership/ ./node/openai/ ./node/text/ ./node/sample/ ./node/wire/ ./node/weights/ ./node/admin/ ./ggufstage/gguf/
 	$(MAKE) fuzz
 
@@ -56,7 +63,7 @@ vet:
 proto:
 	buf generate
 
-bench: build
+bench: build llamacpp-ref
 	./bin/meshnode bench
 
 clean:

@@ -15,9 +15,12 @@ import (
 
 func runBench(ctx context.Context, args []string) error {
 	fs := newFlags("bench --model PATH [flags]", `Measures prefill tok/s (a 512-token prompt per sequence) and decode tok/s
-(128 tokens) at 1 and 8 concurrent sequences, for meshnode's engine and for
-ollama's stock engine on the same file in the same run, and prints the
-ratio. Runs alternate between the engines; medians are reported.
+(128 tokens) at 1 and 8 concurrent sequences, for meshnode's engine, for
+ollama's stock engine, and for llama.cpp's own engine (llamacpp-ref, built
+by 'make llamacpp-ref' from the llama.cpp sources of the pinned ollama
+module with upstream's default CPU build) on the same file in the same run,
+and prints meshnode's ratio to each. Runs alternate between the engines;
+medians are reported.
 
 With --mesh it measures the mesh instead: for each stage count of --stages
 it starts that many meshnode processes on this machine (serve --split, then
@@ -48,6 +51,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	fs.Var(switchFlag{&cfg.FlashAttn}, "flash-attn", "the fused attention kernel in both engines (and every node): auto (on GPUs), on, off")
 	fs.BoolVar(&cfg.SkipReference, "no-reference", false, "skip ollama's stock engine")
 	fs.StringVar(&cfg.Device, "device", "auto", "where both engines run: auto, cpu, cuda")
+	llamacpp := fs.String("llamacpp", "auto", "llamacpp-ref program (make llamacpp-ref): llama.cpp's own engine, measured as a third engine on the CPU; auto = the one beside this executable, if any; none = skip")
 	streams := fs.String("streams", "1,8", "comma-separated concurrent sequence counts")
 	mesh := fs.Bool("mesh", false, "measure meshes of --stages processes on this machine through the OpenAI API")
 	stages := fs.String("stages", "1,2,3", "with --mesh: comma-separated stage (process) counts")
@@ -68,6 +72,18 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	var err error
 	if cfg.Streams, err = parseCounts("--streams", *streams); err != nil {
 		return err
+	}
+	switch *llamacpp {
+	case "none", "":
+	case "auto":
+		if cfg.LlamaCpp = bench.FindLlamaCpp(); cfg.LlamaCpp == "" && !*mesh {
+			fmt.Fprintln(os.Stderr, "llama.cpp: not measured; 'make llamacpp-ref' builds its reference engine beside meshnode")
+		}
+	default:
+		if _, err := os.Stat(*llamacpp); err != nil {
+			return fmt.Errorf("--llamacpp: %w", err)
+		}
+		cfg.LlamaCpp = *llamacpp
 	}
 	if *mesh {
 		mc := bench.MeshConfig{

@@ -26,6 +26,10 @@ type Config struct {
 	FlashAttn     ggufstage.Switch
 	SkipReference bool   // measure only meshnode's engine
 	Device        string // "cpu", "cuda", "auto" (see ggufstage.Options.Device)
+	// LlamaCpp is the path of llamacpp-ref (deploy/llamacpp): llama.cpp's
+	// own engine, built from the pinned module's sources, measured as a
+	// third engine. Empty: not measured.
+	LlamaCpp string
 }
 
 // Row is one measurement.
@@ -118,6 +122,10 @@ func Run(ctx context.Context, cfg Config, log io.Writer) ([]Row, error) {
 		fmt.Fprintf(log, "memory read bandwidth, threads as the engines: %.1f GB/s; a decode step reads %.2f GB of weights: floor %.1f tok/s at 1 stream\n",
 			bw/1e9, float64(step)/1e9, floor)
 	}
+	if cfg.LlamaCpp != "" && eng.Info().Backend != "CPU" {
+		fmt.Fprintf(log, "llama.cpp: not measured; its reference build runs on the CPU and meshnode's engine on %s\n", eng.Info().Backend)
+		cfg.LlamaCpp = ""
+	}
 	runners := []struct {
 		name string
 		r    runner
@@ -143,30 +151,43 @@ func Run(ctx context.Context, cfg Config, log io.Writer) ([]Row, error) {
 		engine  string
 		streams int
 	}
+	names := make([]string, 0, len(runners)+1)
+	for _, r := range runners {
+		names = append(names, r.name)
+	}
+	if cfg.LlamaCpp != "" {
+		names = append(names, LlamaCppEngine)
+	}
 	pre := map[key][]float64{}
 	dec := map[key][]float64{}
 	for run := range cfg.Runs {
 		for _, n := range cfg.Streams {
-			for _, r := range runners {
+			for i, name := range names {
 				if err := ctx.Err(); err != nil {
 					return nil, err
 				}
-				p, d, err := measure(r.r, cfg, n, uint64(run))
-				if err != nil {
-					return nil, fmt.Errorf("%s, %d streams: %w", r.name, n, err)
+				var p, d float64
+				var err error
+				if i < len(runners) {
+					p, d, err = measure(runners[i].r, cfg, n, uint64(run))
+				} else {
+					p, d, err = measureLlamaCpp(ctx, cfg, n, uint64(run))
 				}
-				k := key{r.name, n}
+				if err != nil {
+					return nil, fmt.Errorf("%s, %d streams: %w", name, n, err)
+				}
+				k := key{name, n}
 				pre[k] = append(pre[k], p)
 				dec[k] = append(dec[k], d)
-				fmt.Fprintf(log, "run %d  %-8s streams %d  prefill %8.1f tok/s  decode %7.2f tok/s\n", run+1, r.name, n, p, d)
+				fmt.Fprintf(log, "run %d  %-9s streams %d  prefill %8.1f tok/s  decode %7.2f tok/s\n", run+1, name, n, p, d)
 			}
 		}
 	}
 	var rows []Row
 	for _, n := range cfg.Streams {
-		for _, r := range runners {
-			k := key{r.name, n}
-			row := Row{Engine: r.name, Streams: n, PrefillTPS: median(pre[k]), DecodeTPS: median(dec[k])}
+		for _, name := range names {
+			k := key{name, n}
+			row := Row{Engine: name, Streams: n, PrefillTPS: median(pre[k]), DecodeTPS: median(dec[k])}
 			if n == 1 {
 				row.FloorTPS = floor
 			}
@@ -276,25 +297,40 @@ func argmax(x []float32) int32 {
 	return int32(best)
 }
 
-// Print writes the table with the ratio of meshnode to ollama and, for
-// one-stream CPU decode, to the memory-bandwidth floor.
+// Print writes the table with meshnode's ratios to each reference engine
+// (ollama's stock engine, llama.cpp) and, for one-stream CPU decode, to the
+// memory-bandwidth floor.
 func Print(w io.Writer, rows []Row) {
-	fmt.Fprintf(w, "\n%-9s %7s %14s %14s %9s %9s %12s\n", "engine", "streams", "prefill tok/s", "decode tok/s", "prefill×", "decode×", "decode/floor")
-	ref := map[int]Row{}
+	refs := map[string]map[int]Row{}
+	var order []string
 	for _, r := range rows {
-		if r.Engine == "ollama" {
-			ref[r.Streams] = r
+		if r.Engine == "meshnode" {
+			continue
 		}
+		if refs[r.Engine] == nil {
+			refs[r.Engine] = map[int]Row{}
+			order = append(order, r.Engine)
+		}
+		refs[r.Engine][r.Streams] = r
 	}
+	fmt.Fprintf(w, "\n%-9s %7s %14s %14s", "engine", "streams", "prefill tok/s", "decode tok/s")
+	for _, name := range order {
+		fmt.Fprintf(w, " %22s", "× "+name+" (pre/dec)")
+	}
+	fmt.Fprintf(w, " %12s\n", "decode/floor")
 	for _, r := range rows {
-		pr, dr, fr := "", "", ""
-		if o, ok := ref[r.Streams]; ok && r.Engine != "ollama" && o.PrefillTPS > 0 && o.DecodeTPS > 0 {
-			pr = fmt.Sprintf("%.2f", r.PrefillTPS/o.PrefillTPS)
-			dr = fmt.Sprintf("%.2f", r.DecodeTPS/o.DecodeTPS)
+		fmt.Fprintf(w, "%-9s %7d %14.1f %14.2f", r.Engine, r.Streams, r.PrefillTPS, r.DecodeTPS)
+		for _, name := range order {
+			ratio := ""
+			if o, ok := refs[name][r.Streams]; ok && r.Engine == "meshnode" && o.PrefillTPS > 0 && o.DecodeTPS > 0 {
+				ratio = fmt.Sprintf("%.2f / %.2f", r.PrefillTPS/o.PrefillTPS, r.DecodeTPS/o.DecodeTPS)
+			}
+			fmt.Fprintf(w, " %22s", ratio)
 		}
+		fr := ""
 		if r.FloorTPS > 0 {
 			fr = fmt.Sprintf("%.2f", r.DecodeTPS/r.FloorTPS)
 		}
-		fmt.Fprintf(w, "%-9s %7d %14.1f %14.2f %9s %9s %12s\n", r.Engine, r.Streams, r.PrefillTPS, r.DecodeTPS, pr, dr, fr)
+		fmt.Fprintf(w, " %12s\n", fr)
 	}
 }
