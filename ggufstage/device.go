@@ -32,6 +32,7 @@ func Devices(path string) ([]ml.DeviceInfo, error) {
 // devices is Devices for callers that hold backendMu.
 func devices(path string) (devs []ml.DeviceInfo, err error) {
 	defer recoverErr(&err, "probing devices")
+	defer allowAlloc() // after Close: the dry run must not disarm other engines' buffers
 	m, err := model.New(path, ml.BackendParams{AllocMemory: false, NumThreads: 1})
 	if err != nil {
 		return nil, fmt.Errorf("probing devices with %s: %w", path, err)

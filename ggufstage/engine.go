@@ -50,12 +50,15 @@ type Options struct {
 type Switch int8
 
 const (
-	// Auto is on for a stage on a GPU, off on the CPU. For flash
-	// attention: the fused kernel is the faster on a GPU at every batch
-	// size (8B Q4_0 on an H200: 1.09x decode at 1 stream, 1.11x at 32),
-	// while on the CPU its f16 accumulation makes a sequence replayed into
-	// other KV cells round differently (see the README). For building
-	// passes ahead: only a GPU leaves the host idle while a pass computes.
+	// Auto is on for a stage on a GPU, off on the CPU, with one exception.
+	// For flash attention: the fused kernel is the faster on a GPU at
+	// every batch size (8B Q4_0 on an H200: 1.09x decode at 1 stream,
+	// 1.11x at 32). On the CPU, ggml's kernel accumulates in f16 in KV-cell
+	// order, so a sequence replayed into other cells rounds differently
+	// (see the README); Auto turns it on there only where meshnode's own
+	// kernel (attn_amd64.cpp: f32, the same result wherever the cells sit)
+	// replaces ggml's, with an f16 KV cache. For building passes ahead:
+	// only a GPU leaves the host idle while a pass computes.
 	Auto Switch = iota
 	On
 	Off
@@ -220,7 +223,7 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 	if err != nil {
 		return nil, err
 	}
-	flash := opts.FlashAttention.on(gpu != nil)
+	flash := opts.FlashAttention.on(gpu != nil || (cpuAttention() && opts.KVType == ml.DTypeF16))
 	if err := checkKVType(meta, opts.KVType, flash); err != nil {
 		return nil, fmt.Errorf("loading %s: %w", path, err)
 	}

@@ -145,29 +145,36 @@ var storiesScenario = scenario{
 	steps:   3,
 }
 
+// TestOneStageMatchesStock: on stories260K the engine computes what
+// ollama's model.Forward computes, with flash attention off (ollama's
+// setting for llama on a CPU) and on (meshnode's, where its kernel runs).
 func TestOneStageMatchesStock(t *testing.T) {
-	opts := Options{Threads: 1, MaxSeqs: 2, Context: 256, NoRepack: true}
-	stock, err := OpenStock(storiesPath, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer stock.Close()
-	want := storiesScenario.run(t, func(b stage.Batch) []float32 {
-		l, err := stock.Forward(&b)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return l
-	}, stock.Vocab())
+	for _, fa := range []Switch{Off, On} {
+		t.Run("flash-attn-"+fa.String(), func(t *testing.T) {
+			opts := Options{Threads: 1, MaxSeqs: 2, Context: 256, NoRepack: true, FlashAttention: fa}
+			stock, err := OpenStock(storiesPath, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer stock.Close()
+			want := storiesScenario.run(t, func(b stage.Batch) []float32 {
+				l, err := stock.Forward(&b)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return l
+			}, stock.Vocab())
 
-	p := openSplit(t, storiesPath, []int{0, 5}, opts)
-	defer p.close()
-	p.open(t, 1, 2)
-	got := storiesScenario.run(t, func(b stage.Batch) []float32 { return p.forward(t, b) }, p.stages[0].Info().Vocab)
-	for i := range want {
-		if d := maxAbsDiff(got[i], want[i]); d > 1e-5 {
-			t.Errorf("step %d: max |engine - ollama| = %g, want <= 1e-5", i, d)
-		}
+			p := openSplit(t, storiesPath, []int{0, 5}, opts)
+			defer p.close()
+			p.open(t, 1, 2)
+			got := storiesScenario.run(t, func(b stage.Batch) []float32 { return p.forward(t, b) }, p.stages[0].Info().Vocab)
+			for i := range want {
+				if d := maxAbsDiff(got[i], want[i]); d > 1e-5 {
+					t.Errorf("step %d: max |engine - ollama| = %g, want <= 1e-5", i, d)
+				}
+			}
+		})
 	}
 }
 

@@ -27,3 +27,16 @@ func x16Check(uint32, int, int, int, int, uint32) float64 { return -1 }
 func x16CPU() bool { return false }
 
 func x16CPUHas() bool { return false }
+
+func cpuAttention() bool { return false }
+
+func attnCheck(int, int, int, int, int, int, uint32, bool) float64 { return -1 }
+
+func attnMoved(int, int, int, int, uint32, bool, bool) int { return -1 }
+
+// allowAlloc needs ggml's internal headers, which only the repack build
+// has: without it a dry-run load (Devices) leaves buffer types unable to
+// allocate until the next engine loads.
+func allowAlloc() {}
+
+func setAttnKernel(bool) {}

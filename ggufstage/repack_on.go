@@ -14,8 +14,10 @@ package ggufstage
 #include <string.h>
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "ggml-backend-impl.h"
 #include "ggml-cpu.h"
 #include "x16.h"
+#include "attn.h"
 
 static ggml_backend_buffer_type_t meshnode_repack_buft(void) {
 	ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
@@ -28,6 +30,22 @@ static ggml_backend_buffer_type_t meshnode_repack_buft(void) {
 		if (strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) return *b;
 	}
 	return NULL;
+}
+
+// meshnode_allow_alloc undoes what a scheduler made with alloc_buffers
+// false (a dry-run load) leaves behind: ollama's ggml marks the buffer
+// types it used, process-wide, as not allocating, and every later buffer of
+// those types (another engine's compute buffers, a repacked weight) would
+// get no memory until a real load cleared the mark.
+static void meshnode_allow_alloc(void) {
+	ggml_backend_cpu_buffer_type()->no_alloc = false;
+	for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+		ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+		ggml_backend_buffer_type_t b = ggml_backend_dev_buffer_type(dev);
+		if (b != NULL) b->no_alloc = false;
+		b = ggml_backend_dev_host_buffer_type(dev);
+		if (b != NULL) b->no_alloc = false;
+	}
 }
 
 // meshnode_host_matrix: a 2-D weight in host memory. Only those are
@@ -205,3 +223,37 @@ func x16Check(typ uint32, k, n, m, threads int, seed uint32) float64 {
 
 // x16CPU reports whether this CPU runs the X16 kernel.
 func x16CPU() bool { return x16On }
+
+// cpuAttention reports whether meshnode's CPU attention kernel
+// (attn_amd64.cpp) computes flash attention here: it is hooked in with the
+// X16 kernel.
+func cpuAttention() bool { return x16On && C.meshnode_attn_cpu() != 0 }
+
+// attnCheck runs the attention self-test: max|kernel − exact| / max|exact|
+// on a random attention; ggml: ggml's own kernel instead. -1 where the
+// kernel cannot run.
+func attnCheck(dk, nq, heads, kvHeads, nkv, threads int, seed uint32, ggml bool) float64 {
+	return float64(C.meshnode_attn_check(C.int(dk), C.int(nq), C.int(heads), C.int(kvHeads), C.int(nkv), C.int(threads), C.uint(seed), cBool(ggml)))
+}
+
+// attnMoved counts the outputs that change in any bit when a query's n
+// cells move to other places in a larger cache, in the same order or
+// shuffled; ggml: for ggml's own kernel. -1 where the kernel cannot run.
+func attnMoved(dk, heads, kvHeads, n int, seed uint32, ggml, shuffle bool) int {
+	return int(C.meshnode_attn_moved(C.int(dk), C.int(heads), C.int(kvHeads), C.int(n), C.uint(seed), cBool(ggml), cBool(shuffle)))
+}
+
+func cBool(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// allowAlloc clears the no-allocation mark a dry-run load leaves on ggml's
+// buffer types (see meshnode_allow_alloc). The caller holds backendMu.
+func allowAlloc() { C.meshnode_allow_alloc() }
+
+// setAttnKernel turns meshnode's CPU attention kernel on or off (ggml's own
+// then runs); tests compare the two.
+func setAttnKernel(on bool) { C.meshnode_attn_enable(cBool(on)) }

@@ -41,6 +41,7 @@
 #include "ggml-cpu/traits.h" // and ggml-cpu-impl.h
 
 #include "x16.h"
+#include "attn.h"
 
 #define MN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
 
@@ -228,6 +229,9 @@ class x16_extra : public ggml::cpu::extra_buffer_type {
 	}
 
 	ggml::cpu::tensor_traits * get_tensor_traits(const ggml_tensor * op) override {
+		// ggml offers every op of a CPU graph here, so attention is
+		// hooked in the same way (attn_amd64.cpp).
+		if (op->op == GGML_OP_FLASH_ATTN_EXT) return meshnode_attn_traits(op);
 		if (op->op != GGML_OP_MUL_MAT) return nullptr;
 		const ggml_tensor * src0 = op->src[0];
 		const ggml_tensor * src1 = op->src[1];

@@ -3,6 +3,7 @@
 // No X16 kernel off amd64: ggml's own repacked kernels serve there.
 
 #include "x16.h"
+#include "attn.h"
 
 int meshnode_x16_cpu(void) { return 0; }
 
@@ -26,5 +27,32 @@ double meshnode_x16_check(int type, int k, int n, int m, int threads, unsigned s
 	(void)m;
 	(void)threads;
 	(void)seed;
+	return -1;
+}
+
+void meshnode_attn_enable(int on) { (void)on; }
+
+int meshnode_attn_cpu(void) { return 0; }
+
+double meshnode_attn_check(int DK, int n_q, int H, int H_kv, int n_kv, int threads, unsigned seed, int ggml) {
+	(void)DK;
+	(void)n_q;
+	(void)H;
+	(void)H_kv;
+	(void)n_kv;
+	(void)threads;
+	(void)seed;
+	(void)ggml;
+	return -1;
+}
+
+int meshnode_attn_moved(int DK, int H, int H_kv, int n, unsigned seed, int ggml, int shuffle) {
+	(void)shuffle;
+	(void)DK;
+	(void)H;
+	(void)H_kv;
+	(void)n;
+	(void)seed;
+	(void)ggml;
 	return -1;
 }
