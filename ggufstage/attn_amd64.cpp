@@ -59,8 +59,14 @@ MN_TARGET inline __m512 exp_neg(__m512 x) {
 	return _mm512_scalef_ps(p, n);
 }
 
-MN_TARGET inline __m512 load_f16(const void * p) {
-	return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+// Head sizes need not be multiples of 16 (stories260K's is 8): rows are
+// read in chunks of 16 with the tail masked, and scratch rows are padded.
+inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+MN_TARGET inline __m512 load_f16(const void * p, __mmask16 m) {
+	return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
 
 inline void prefetch(const char * p, int64_t bytes, int hint) {
@@ -85,7 +91,7 @@ bool enabled = true; // meshnode_attn_enable; tests compare with ggml's kernel
 // Per-thread scratch, in floats: the listed cells, then G rows of scores
 // (n_kv each), then G queries of DK, then G f64 accumulators of DV.
 size_t scratch_floats(int64_t n_kv, int64_t G, int64_t DK, int64_t DV) {
-	return (size_t)n_kv + (size_t)G * n_kv + (size_t)G * DK + 2 * (size_t)G * DV + 32;
+	return (size_t)n_kv + (size_t)G * n_kv + (size_t)G * pad16(DK) + 2 * (size_t)G * pad16(DV) + 32;
 }
 
 struct shape {
@@ -112,8 +118,9 @@ MN_TARGET void attend(const ggml_tensor * op, const shape & sh, float scale, int
 	const int64_t G = sh.G, DK = sh.DK, DV = sh.DV, n_kv = sh.n_kv;
 	int32_t * cells = (int32_t *)scratch;
 	float * scores = scratch + n_kv;
+	const int64_t DKp = pad16(DK), DVp = pad16(DV);
 	float * qs = scores + G * n_kv;
-	double * acc = (double *)(((uintptr_t)(qs + G * DK) + 63) & ~(uintptr_t)63);
+	double * acc = (double *)(((uintptr_t)(qs + G * DKp) + 63) & ~(uintptr_t)63);
 
 	// 1. The cells this query may see, in cell order.
 	int64_t n = 0;
@@ -145,7 +152,8 @@ MN_TARGET void attend(const ggml_tensor * op, const shape & sh, float scale, int
 	for (int64_t g = 0; g < G; g++) {
 		const float * qr = (const float *)(qbase + (h0 + g) * q->nb[2]);
 		for (int64_t i = 0; i < DK; i += 16) {
-			_mm512_storeu_ps(qs + g * DK + i, _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_loadu_ps(qr + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+			const __m512 x = _mm512_maskz_loadu_ps(lanes(DK - i), qr + i); // zeros past DK
+			_mm512_storeu_ps(qs + g * DKp + i, _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
 		}
 	}
 
@@ -165,9 +173,9 @@ MN_TARGET void attend(const ggml_tensor * op, const shape & sh, float scale, int
 		const ggml_fp16_t * kr = (const ggml_fp16_t *)(kbase + (int64_t)cells[j] * k->nb[1]);
 		const float mv = mp ? _cvtsh_ss(mp[cells[j]]) : 0.0f;
 		for (int64_t g = 0; g < G; g++) {
-			const float * qr = qs + g * DK;
+			const float * qr = qs + g * DKp;
 			__m512 d = _mm512_setzero_ps();
-			for (int64_t i = 0; i < DK; i += 16) d = _mm512_fmadd_ps(load_f16(kr + i), _mm512_loadu_ps(qr + i), d);
+			for (int64_t i = 0; i < DK; i += 16) d = _mm512_fmadd_ps(load_f16(kr + i, lanes(DK - i)), _mm512_loadu_ps(qr + i), d);
 			const float s = _mm512_reduce_add_ps(d) * scale + mv;
 			scores[g * n_kv + j] = s;
 			maxs[g] = std::max(maxs[g], s);
@@ -191,16 +199,16 @@ MN_TARGET void attend(const ggml_tensor * op, const shape & sh, float scale, int
 	}
 
 	// 4. The V rows, weighted, summed in f64.
-	std::fill(acc, acc + G * DV, 0.0);
+	std::fill(acc, acc + G * DVp, 0.0);
 	for (int64_t j = 0; j < n; j++) {
 		if (j + ahead < n) prefetch(vbase + (int64_t)cells[j + ahead] * v->nb[1], vbytes, _MM_HINT_T0);
 		const ggml_fp16_t * vr = (const ggml_fp16_t *)(vbase + (int64_t)cells[j] * v->nb[1]);
 		for (int64_t i = 0; i < DV; i += 16) {
-			const __m512 vv = load_f16(vr + i);
+			const __m512 vv = load_f16(vr + i, lanes(DV - i));
 			const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(vv));
 			const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(vv), 1)));
 			for (int64_t g = 0; g < G; g++) {
-				double * a = acc + g * DV + i;
+				double * a = acc + g * DVp + i;
 				const __m512d p = _mm512_set1_pd(scores[g * n_kv + j]);
 				_mm512_store_pd(a, _mm512_fmadd_pd(p, lo, _mm512_load_pd(a)));
 				_mm512_store_pd(a + 8, _mm512_fmadd_pd(p, hi, _mm512_load_pd(a + 8)));
@@ -213,7 +221,10 @@ MN_TARGET void attend(const ggml_tensor * op, const shape & sh, float scale, int
 	for (int64_t g = 0; g < G; g++) {
 		const __m512d inv = _mm512_set1_pd(sums[g] == 0 ? 0.0 : 1.0 / sums[g]);
 		float * out = (float *)((char *)op->data + (iq3 * ne2 * ne1 + (h0 + g) + iq1 * ne1) * op->nb[1]);
-		for (int64_t i = 0; i < DV; i += 8) _mm256_storeu_ps(out + i, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_load_pd(acc + g * DV + i), inv)));
+		for (int64_t i = 0; i < DV; i += 8) {
+			const __m256 o = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_load_pd(acc + g * DVp + i), inv));
+			_mm256_mask_storeu_ps(out + i, (__mmask8)(DV - i >= 8 ? 0xFF : (1u << (DV - i)) - 1), o);
+		}
 	}
 }
 
@@ -265,7 +276,7 @@ ggml::cpu::tensor_traits * meshnode_attn_traits(const ggml_tensor * op) {
 		if (t && t->buffer && !ggml_backend_buft_is_host(t->buffer->buft)) return nullptr;
 	}
 	if (q->nb[0] != sizeof(float) || k->nb[0] != sizeof(ggml_fp16_t) || v->nb[0] != sizeof(ggml_fp16_t) || op->nb[0] != sizeof(float)) return nullptr;
-	if (k->ne[0] % 16 != 0 || v->ne[0] % 16 != 0 || q->ne[0] != k->ne[0]) return nullptr;
+	if (q->ne[0] != k->ne[0] || k->ne[0] == 0 || v->ne[0] == 0) return nullptr;
 	if (k->ne[2] == 0 || q->ne[2] % k->ne[2] != 0 || q->ne[2] / k->ne[2] > kMaxGroup || v->ne[2] != k->ne[2] || v->ne[1] != k->ne[1]) return nullptr;
 	return &traits;
 }

@@ -33,6 +33,8 @@ func TestAttentionExact(t *testing.T) {
 		{128, 7, 28, 4, 77, 3},
 		{64, 33, 8, 8, 33, 2},
 		{16, 2, 8, 1, 5, 1},
+		{8, 11, 8, 4, 40, 2}, // stories260K's heads
+		{40, 3, 6, 3, 70, 2},
 		{128, 64, 16, 2, 300, 2},
 	}
 	for i, sh := range shapes {
@@ -60,7 +62,7 @@ func TestAttentionWhereverCellsSit(t *testing.T) {
 	needAttn(t)
 	ggmlChanged := 0
 	for i, sh := range []struct{ dk, heads, kvHeads, n int }{
-		{64, 32, 8, 700}, {128, 32, 8, 300}, {64, 8, 8, 17}, {128, 28, 4, 1000}, {64, 32, 8, 3000},
+		{64, 32, 8, 700}, {128, 32, 8, 300}, {64, 8, 8, 17}, {128, 28, 4, 1000}, {64, 32, 8, 3000}, {8, 8, 4, 300},
 	} {
 		for _, shuffle := range []bool{false, true} {
 			if d := attnMoved(sh.dk, sh.heads, sh.kvHeads, sh.n, uint32(i+1), false, shuffle); d != 0 {
