@@ -10,8 +10,9 @@
 // attention off on CPUs (and with it 1.4-1.8x decode at several streams).
 // This kernel makes the result depend only on the sequence's own cells:
 //   1. the cells the mask allows are listed, in cell order;
-//   2. their scores are computed (f32, each on its own) and their maximum
-//      taken (exact in any order);
+//   2. their scores are computed (the query rounded to f16, as ggml's
+//      kernels and llama.cpp's round it; f32 products; each on its own)
+//      and their maximum taken (exact in any order);
 //   3. the weights exp(score - max) (each on its own) and the V rows they
 //      weight are summed in f64 and rounded to f32 once, at the end.
 // A masked cell never enters any sum, so moving a sequence's cells changes
