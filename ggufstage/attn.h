@@ -13,8 +13,6 @@ extern "C" {
 
 // meshnode_attn_enable turns the kernel on (1) or off (0); tests compare.
 void meshnode_attn_enable(int on);
-// meshnode_attn_cpu reports whether this CPU has the kernel's instructions.
-int meshnode_attn_cpu(void);
 // Self-tests (see attn_amd64.cpp).
 double meshnode_attn_check(int DK, int n_q, int H, int H_kv, int n_kv, int threads, unsigned seed, int ggml);
 int meshnode_attn_moved(int DK, int H, int H_kv, int n, unsigned seed, int ggml, int shuffle);

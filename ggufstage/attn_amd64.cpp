@@ -1,7 +1,9 @@
 //go:build repack && cgo && amd64
 
 // meshnode's CPU attention for a ggml FLASH_ATTN_EXT op (f32 queries, f16
-// K and V, as ollama's KV cache holds them), on AVX-512.
+// K and V, as ollama's KV cache holds them), on AVX-512. It is reached only
+// through the X16 kernel's hook (x16_amd64.cpp), which registers only on
+// CPUs with every instruction used here.
 //
 // ggml's own CPU kernel accumulates V in f16 and rescales as it walks the
 // cells (online softmax), so its result depends on where in the cache a
@@ -36,6 +38,7 @@
 #include "ggml-cpu/traits.h"
 
 #include "attn.h"
+#include "x16.h"
 
 #define MN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 
@@ -78,13 +81,6 @@ inline void prefetch(const char * p, int64_t bytes, int hint) {
 			_mm_prefetch(p + o, _MM_HINT_T1);
 		}
 	}
-}
-
-bool cpu_ok() {
-	static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-	                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-	                       __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
-	return ok;
 }
 
 bool enabled = true; // meshnode_attn_enable; tests compare with ggml's kernel
@@ -267,7 +263,7 @@ float op_param(const ggml_tensor * op, int i) {
 } // namespace
 
 ggml::cpu::tensor_traits * meshnode_attn_traits(const ggml_tensor * op) {
-	if (!enabled || op->op != GGML_OP_FLASH_ATTN_EXT || !cpu_ok()) return nullptr;
+	if (!enabled || op->op != GGML_OP_FLASH_ATTN_EXT) return nullptr;
 	const ggml_tensor *q = op->src[0], *k = op->src[1], *v = op->src[2], *mask = op->src[3];
 	if (op->src[4] != nullptr) return nullptr; // attention sinks
 	if (q->type != GGML_TYPE_F32 || k->type != GGML_TYPE_F16 || v->type != GGML_TYPE_F16 || op->type != GGML_TYPE_F32) return nullptr;
@@ -283,7 +279,6 @@ ggml::cpu::tensor_traits * meshnode_attn_traits(const ggml_tensor * op) {
 }
 
 extern "C" void meshnode_attn_enable(int on) { enabled = on != 0; }
-extern "C" int meshnode_attn_cpu(void) { return cpu_ok(); }
 
 namespace {
 
@@ -344,7 +339,7 @@ std::vector<float> attention(int DK, int n_q, int H, int H_kv, int n_kv, int thr
 // returns max|kernel - exact| / max|exact|; with ggml=1, ggml's own kernel
 // instead of meshnode's. -1 when the kernel cannot run here.
 extern "C" double meshnode_attn_check(int DK, int n_q, int H, int H_kv, int n_kv, int threads, unsigned seed, int ggml) {
-	if (!cpu_ok()) return -1;
+	if (!meshnode_x16_register()) return -1; // the hook, and so the kernel, is not live
 	rng r(seed);
 	std::vector<float> q((size_t)DK * n_q * H);
 	std::vector<ggml_fp16_t> k((size_t)DK * n_kv * H_kv), v(k.size()), mask((size_t)n_kv * n_q);
@@ -401,7 +396,7 @@ extern "C" double meshnode_attn_check(int DK, int n_q, int H, int H_kv, int n_kv
 // It returns how many outputs differ in any bit; with ggml=1, for ggml's
 // own kernel. -1 when it cannot run here.
 extern "C" int meshnode_attn_moved(int DK, int H, int H_kv, int n, unsigned seed, int ggml, int shuffle) {
-	if (!cpu_ok()) return -1;
+	if (!meshnode_x16_register()) return -1; // the hook, and so the kernel, is not live
 	rng r(seed);
 	std::vector<float> q((size_t)DK * H);
 	for (auto & x : q) x = 2 * r.uniform();

@@ -226,8 +226,8 @@ func x16CPU() bool { return x16On }
 
 // cpuAttention reports whether meshnode's CPU attention kernel
 // (attn_amd64.cpp) computes flash attention here: it is hooked in with the
-// X16 kernel.
-func cpuAttention() bool { return x16On && C.meshnode_attn_cpu() != 0 }
+// X16 kernel, on the CPUs that run X16.
+func cpuAttention() bool { return x16On }
 
 // attnCheck runs the attention self-test: max|kernel − exact| / max|exact|
 // on a random attention; ggml: ggml's own kernel instead. -1 where the

@@ -32,8 +32,6 @@ double meshnode_x16_check(int type, int k, int n, int m, int threads, unsigned s
 
 void meshnode_attn_enable(int on) { (void)on; }
 
-int meshnode_attn_cpu(void) { return 0; }
-
 double meshnode_attn_check(int DK, int n_q, int H, int H_kv, int n_kv, int threads, unsigned seed, int ggml) {
 	(void)DK;
 	(void)n_q;
