@@ -145,35 +145,41 @@ var storiesScenario = scenario{
 	steps:   3,
 }
 
+// checkMatchesStock runs sc through ollama's model.Forward (the stock
+// engine) and through the engine holding all layers of path, and checks
+// that their logits agree within 1e-5 at every step.
+func checkMatchesStock(t *testing.T, path string, layers int, opts Options, sc scenario) {
+	t.Helper()
+	stock, err := OpenStock(path, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stock.Close()
+	want := sc.run(t, func(b stage.Batch) []float32 {
+		l, err := stock.Forward(&b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}, stock.Vocab())
+
+	p := openSplit(t, path, []int{0, layers}, opts)
+	defer p.close()
+	got := runScenario(t, p, sc)
+	for i := range want {
+		if d := maxAbsDiff(got[i], want[i]); d > 1e-5 {
+			t.Errorf("step %d: max |engine - ollama| = %g, want <= 1e-5", i, d)
+		}
+	}
+}
+
 // TestOneStageMatchesStock: on stories260K the engine computes what
 // ollama's model.Forward computes, with flash attention off (ollama's
 // setting for llama on a CPU) and on (meshnode's, where its kernel runs).
 func TestOneStageMatchesStock(t *testing.T) {
 	for _, fa := range []Switch{Off, On} {
 		t.Run("flash-attn-"+fa.String(), func(t *testing.T) {
-			opts := Options{Threads: 1, MaxSeqs: 2, Context: 256, NoRepack: true, FlashAttention: fa}
-			stock, err := OpenStock(storiesPath, opts)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer stock.Close()
-			want := storiesScenario.run(t, func(b stage.Batch) []float32 {
-				l, err := stock.Forward(&b)
-				if err != nil {
-					t.Fatal(err)
-				}
-				return l
-			}, stock.Vocab())
-
-			p := openSplit(t, storiesPath, []int{0, 5}, opts)
-			defer p.close()
-			p.open(t, 1, 2)
-			got := storiesScenario.run(t, func(b stage.Batch) []float32 { return p.forward(t, b) }, p.stages[0].Info().Vocab)
-			for i := range want {
-				if d := maxAbsDiff(got[i], want[i]); d > 1e-5 {
-					t.Errorf("step %d: max |engine - ollama| = %g, want <= 1e-5", i, d)
-				}
-			}
+			checkMatchesStock(t, storiesPath, 5, Options{Threads: 1, MaxSeqs: 2, Context: 256, NoRepack: true, FlashAttention: fa}, storiesScenario)
 		})
 	}
 }

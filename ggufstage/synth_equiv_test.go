@@ -131,28 +131,7 @@ func TestSynthOneStageMatchesStock(t *testing.T) {
 			opts.NoRepack, opts.FlashAttention = true, c.fa
 			ft := c.ft
 			t.Run(fmt.Sprintf("%s/%s/flash-attn-%s", arch, ft, c.fa), func(t *testing.T) {
-				src := writeTiny(t, arch, ft)
-				stock, err := OpenStock(src, opts)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer stock.Close()
-				want := synthScenario.run(t, func(b stage.Batch) []float32 {
-					l, err := stock.Forward(&b)
-					if err != nil {
-						t.Fatal(err)
-					}
-					return l
-				}, stock.Vocab())
-
-				p := openSplit(t, src, []int{0, 3}, opts)
-				defer p.close()
-				got := runScenario(t, p, synthScenario)
-				for i := range want {
-					if d := maxAbsDiff(got[i], want[i]); d > 1e-5 {
-						t.Errorf("step %d: max |engine - ollama| = %g, want <= 1e-5", i, d)
-					}
-				}
+				checkMatchesStock(t, writeTiny(t, arch, ft), 3, opts, synthScenario)
 			})
 		}
 	}
