@@ -549,25 +549,27 @@ func parseSums(r io.Reader) sums {
 // breakdown turns two readings into node 1's mean step and every node's
 // mean stage pass over the passes between them.
 func breakdown(before, after []sums) (step time.Duration, compute []StageTime) {
-	// per divides the growth of a sum by the growth of count's count.
-	per := func(i int, name, count string) time.Duration {
+	// per divides the growth of node i's sum of name by the growth of
+	// count's count: a mean per pass (seconds, or a share for counters).
+	per := func(i int, name, count string) float64 {
 		if i >= len(before) || i >= len(after) {
 			return 0
 		}
 		a, b := after[i], before[i]
 		if n := a[count][1] - b[count][1]; n > 0 {
-			return time.Duration((a[name][0] - b[name][0]) / n * float64(time.Second))
+			return (a[name][0] - b[name][0]) / n
 		}
 		return 0
 	}
-	step = per(0, metricStep, metricStep)
+	secs := func(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+	step = secs(per(0, metricStep, metricStep))
 	for i := range after {
 		compute = append(compute, StageTime{
-			Total:  per(i, metricStage, metricStage),
-			Graph:  per(i, metricPhases+"/graph", metricStage),
-			Launch: per(i, metricPhases+"/launch", metricStage),
-			Wait:   per(i, metricPhases+"/wait", metricStage),
-			Ahead:  per(i, metricAhead, metricStage).Seconds(),
+			Total:  secs(per(i, metricStage, metricStage)),
+			Graph:  secs(per(i, metricPhases+"/graph", metricStage)),
+			Launch: secs(per(i, metricPhases+"/launch", metricStage)),
+			Wait:   secs(per(i, metricPhases+"/wait", metricStage)),
+			Ahead:  per(i, metricAhead, metricStage),
 		})
 	}
 	return step, compute
