@@ -6,7 +6,7 @@ package ggufstage
 // stay in ggml's plain layout (correct, slower on CPU).
 type repacker struct{ own int }
 
-// useX16: meshnode's own Q4_0/Q8_0 kernel needs the repack build.
+// useX16: meshnode's own X16 kernels need the repack build.
 var useX16 = false
 
 func newRepacker() *repacker { return nil }
@@ -23,6 +23,8 @@ func repackCPU() bool { return false }
 const RepackAvailable = false
 
 func x16Check(uint32, int, int, int, int, uint32) float64 { return -1 }
+
+func x16Time(uint32, int, int, int, int, int) (float64, float64) { return -1, -1 }
 
 func x16CPU() bool { return false }
 

@@ -112,9 +112,9 @@ import (
 // RepackAvailable reports whether this build can repack weights.
 const RepackAvailable = true
 
-// useX16 selects meshnode's own Q4_0/Q8_0 kernel (x16_amd64.cpp) where the
-// CPU has AVX512-VNNI, over ggml's repacked Q4_0 kernel and plain Q8_0;
-// tests turn it off to compare.
+// useX16 selects meshnode's own Q4_0/Q8_0/Q4_K/Q6_K kernels
+// (x16_amd64.cpp) where the CPU has AVX512-VNNI, over ggml's repacked
+// Q4_0/Q4_K kernels and plain Q8_0/Q6_K; tests turn it off to compare.
 var useX16 = true
 
 // x16On: the kernel is registered with ggml's CPU backend. That list is read
@@ -218,7 +218,18 @@ func (r *repacker) Close() error {
 // random [k,n] weight of type typ times a [k,m] activation, or -1 where the
 // kernel cannot run.
 func x16Check(typ uint32, k, n, m, threads int, seed uint32) float64 {
-	return float64(C.meshnode_x16_check(C.int(typ), C.int(k), C.int(n), C.int(m), C.int(threads), C.uint(seed)))
+	return float64(C.meshnode_x16_check(C.int(typ), C.int(k), C.int(n), C.int(m), C.int(threads), C.uint(seed), 0, nil))
+}
+
+// x16Time times iters matmuls of a random [k,n] weight of type typ by a
+// [k,m] activation, in X16 and in ggml's plain layout: seconds per matmul
+// of each; -1s where the kernel cannot run.
+func x16Time(typ uint32, k, n, m, threads, iters int) (x16, ggml float64) {
+	var secs [2]C.double
+	if C.meshnode_x16_check(C.int(typ), C.int(k), C.int(n), C.int(m), C.int(threads), 1, C.int(iters), &secs[0]) < 0 {
+		return -1, -1
+	}
+	return float64(secs[0]), float64(secs[1])
 }
 
 // x16CPU reports whether this CPU runs the X16 kernel.

@@ -150,10 +150,12 @@ func relErr(a, b [][]float32) float64 {
 	return math.Sqrt(num / den)
 }
 
-// repackable counts the tensors of a file that ggml's CPU_REPACK kernels
-// take (see meshnode_repack_ok): 2-D Q4_0 or Q4_K matrices whose row count
-// is a multiple of 8 (AVX2; NEON needs 4 or 8, which these also meet), the
-// token embedding excepted since it is read by row lookups.
+// repackable counts the tensors of a file that take a fast CPU layout: on
+// AVX512-VNNI meshnode's X16 (Q4_0, Q8_0, Q4_K and Q6_K matrices of whole
+// 16-row tiles), else ggml's CPU_REPACK (see meshnode_repack_ok: 2-D Q4_0
+// or Q4_K matrices whose row count is a multiple of 8 (AVX2; NEON needs 4
+// or 8, which these also meet)); the token embedding excepted since it is
+// read by row lookups.
 func repackable(t *testing.T, path string) int {
 	t.Helper()
 	meta, err := readHeader(path)
@@ -172,7 +174,7 @@ func repackable(t *testing.T, path string) int {
 			continue
 		}
 		switch {
-		case (ti.Type == gguf.TypeQ4_0 || ti.Type == gguf.TypeQ8_0) && x16CPU() && ti.Shape[1]%16 == 0:
+		case (ti.Type == gguf.TypeQ4_0 || ti.Type == gguf.TypeQ8_0 || ti.Type == gguf.TypeQ4_K || ti.Type == gguf.TypeQ6_K) && x16CPU() && ti.Shape[1]%16 == 0:
 			n++ // meshnode's X16
 		case (ti.Type == gguf.TypeQ4_0 || ti.Type == gguf.TypeQ4_K) && ti.Shape[1]%8 == 0:
 			n++ // ggml's repacked layout
@@ -198,15 +200,15 @@ func repackable(t *testing.T, path string) int {
 const repackBound = 2e-2
 
 // TestRepackedMatchesPlain loads quantized files with and without the fast
-// CPU layouts (meshnode's X16 for Q4_0/Q8_0 on AVX512-VNNI, ggml's repacked
-// one otherwise) and checks that the logits agree to repackBound, that in a
-// repack build exactly the qualifying tensors were re-homed, and that X16
-// agrees with ggml's kernels to well within a Q8 step. (Bit-identical
-// logits do not prove that nothing was repacked: see repackBound. The count
-// does, since a re-homed tensor's plain storage is never written.) Tiny's
-// Q4_K_M takes the fast path only for its two Q4_K ffn_down and its Q8_0
-// matrices: the others fall back to Q5_0/Q6_K since their 128-wide rows are
-// not whole K-quant blocks. Attention is ggml's plain path here: it rounds
+// CPU layouts (meshnode's X16 for Q4_0/Q8_0/Q4_K/Q6_K on AVX512-VNNI,
+// ggml's repacked one otherwise) and checks that the logits agree to
+// repackBound, that in a repack build exactly the qualifying tensors were
+// re-homed, and that X16 agrees with ggml's kernels to well within a Q8
+// step. (Bit-identical logits do not prove that nothing was repacked: see
+// repackBound. The count does, since a re-homed tensor's plain storage is
+// never written.) Tiny's Q4_K_M takes the fast path only for its ffn_down
+// (two Q4_K, one Q6_K) and its Q8_0 matrices: the others fall back to Q5_0
+// since their 128-wide rows are not whole K-quant blocks. Attention is ggml's plain path here: it rounds
 // scores and weights to f16, which hides the last-bit differences of the
 // matmuls that these bounds are about; meshnode's f32 attention lets a
 // random tiny model amplify them (to 7.5e-4 on qwen3 Q8_0).

@@ -1,6 +1,7 @@
 //go:build repack && cgo && amd64
 
-// X16: meshnode's own CPU matmul for Q4_0 and Q8_0 weights on AVX512-VNNI.
+// X16: meshnode's own CPU matmul for Q4_0, Q8_0, Q4_K and Q6_K weights on
+// AVX512-VNNI.
 //
 // vpdpbusd multiplies unsigned by signed bytes. ggml's repacked Q4_0 kernel
 // makes its signed nibbles fit by sign juggling (vpabsb, masked vpsubb) on
@@ -25,12 +26,31 @@
 //   Q8_0: groups j = 0..7 hold columns 4j..4j+3, each byte w+128.
 // That is 288 (Q4_0) or 544 (Q8_0) bytes per tile and block, exactly what
 // the 16 rows take in ggml's own layout.
+//
+// K-quants work on super-blocks of 256 columns, with activations quantized
+// as ggml's Q8_K (one float scale per 256, round to nearest even), so that
+// the kernel sums exactly the integers ggml's own dot products sum. Weights
+// are again unsigned: a Q4_K nibble is its value; a Q6_K six-bit q (value
+// q-32) is q, and -32*sum(a) over each 16 columns starts that group's
+// integer sum. The integer scales stay integers (vpmulld per sub-block), so
+// each super-block meets floats once, as in ggml. Per tile and super-block:
+//   Q4_K (2368 bytes, 2.8% over ggml's 2304, for unpacked 6-bit scales):
+//     16 d (f16), 16 dmin (f16), the 8 sub-block scales as bytes [j][row],
+//     the 8 mins as bytes [j/2][row][j%2] (vpdpwssd pairs), then per 64
+//     columns c the 16 rows' native quant bytes 32c.. in 4-byte groups as
+//     for Q4_0: low nibbles are sub-block 2c, high nibbles 2c+1;
+//   Q6_K (3392 bytes: ggml's 3360 and a pad to whole cache lines): per 128
+//     columns the native ql bytes (64 per row) and qh bytes (32 per row),
+//     each in 4-byte groups of the 16 rows, laid out in the order the
+//     one-row kernel reads them (namespace q6); 16 d (f16); the 16 group
+//     scales as int8 [group][row].
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -48,24 +68,56 @@
 namespace {
 
 constexpr int kTile = 16;  // weight rows per tile
-constexpr int kBlock = 32; // columns per block (Q4_0 and Q8_0 alike)
+constexpr int kBlock = 32; // columns per block of Q4_0 and Q8_0
 constexpr int kRows = 8;   // activation rows per microkernel call
 
-enum format { Q4, Q8 };
+enum format { Q4, Q8, Q4K, Q6K };
 
-template <format F> constexpr int tile_block_bytes = F == Q4 ? 288 : 544;
+constexpr bool kquant(format f) { return f == Q4K || f == Q6K; }
+template <format F> constexpr int block_cols = kquant(F) ? 256 : kBlock;
+template <format F> constexpr int tile_block_bytes = F == Q4 ? 288 : F == Q8 ? 544 : F == Q4K ? 2368 : 3392;
+template <format F> constexpr size_t native_block_bytes = F == Q4 ? 18 : F == Q8 ? 34 : F == Q4K ? 144 : 210;
 template <format F> constexpr float bias = F == Q4 ? 8.0f : 128.0f;
 
+// tile_bytes is the size of one tile of 16 rows of nb blocks.
+template <format F>
+int64_t tile_bytes(int64_t nb) { return nb * tile_block_bytes<F>; }
+
+// What a K-quant kernel needs of one activation row's super-block besides
+// its quants: ggml's Q8_K scale, the quants' sums per 32 columns (Q4_K's
+// mins) and -32 times their sums per 16 columns (Q6_K's offset).
+struct kinfo {
+	float d;
+	float pad[3];
+	int16_t s32[8];
+	int32_t b16[16];
+};
+static_assert(sizeof(kinfo) == 96, "kinfo layout");
+
+// Where a Q6_K tile's super-block keeps its parts (see the top): quants
+// first, so that their 64-byte loads are aligned, in the order the
+// one-row kernel reads them; then the scales; padded to whole lines.
+namespace q6 {
+// ql group j (0..15: bytes 4j..4j+3 of the 16 rows' 64 ql bytes) of half n
+inline const uint8_t * ql(const uint8_t * w, int n, int j) { return w + 1536 * n + 192 * (j % 8) + 64 * (j / 8); }
+// qh group g (0..7) of half n
+inline const uint8_t * qh(const uint8_t * w, int n, int g) { return w + 1536 * n + 192 * g + 128; }
+constexpr int d = 3072;  // 16 f16
+constexpr int sc = 3104; // [16 groups][16 rows] int8
+} // namespace q6
+
 // Activations are quantized into the work buffer: per row K int8 values,
-// then per row and block two floats: the scale d and bias*d*sum(q).
+// then per row and block the block's info: for Q4_0 and Q8_0 two floats
+// (the scale d and bias*d*sum(q)), for K-quants a kinfo.
 struct act_layout {
 	int64_t rows, k, nb;
+	size_t info_bytes; // per block
 	size_t q_bytes() const { return (size_t)rows * k; }
-	size_t size() const { return q_bytes() + (size_t)rows * nb * 2 * sizeof(float) + 64; }
+	size_t size() const { return q_bytes() + (size_t)rows * nb * info_bytes + 64; }
 	int8_t * q(void * w, int64_t r) const { return (int8_t *)w + (size_t)r * k; }
-	float * dm(void * w, int64_t r) const {
+	void * info(void * w, int64_t r) const {
 		uintptr_t base = ((uintptr_t)w + q_bytes() + 63) & ~(uintptr_t)63;
-		return (float *)base + (size_t)r * nb * 2;
+		return (char *)base + (size_t)r * nb * info_bytes;
 	}
 };
 
@@ -91,11 +143,53 @@ MN_TARGET void quantize_row(const float * x, int64_t k, float bias, int8_t * q, 
 	}
 }
 
+// quantize_row_k quantizes a row as ggml's quantize_row_q8_K_ref does,
+// except that max is taken as +|max|: that flips the signs of d and the
+// quants of a block whose largest value is negative, which leaves every
+// product d*q unchanged. ggml rounds iscale*x with its float trick
+// (x + 1.5*2^23), which the compiler contracts into one FMA: the exact
+// product is rounded once, to nearest even. Rounding the float product
+// instead moves a value like 63.4999 to 64 (found by TestX16MatchesGGML).
+MN_TARGET void quantize_row_k(const float * x, int64_t k, int8_t * q, kinfo * info) {
+	const __m512 sign = _mm512_set1_ps(-0.0f);
+	for (int64_t b = 0; b < k / 256; b++, x += 256, q += 256) {
+		kinfo & ki = info[b];
+		__m512 amax = _mm512_setzero_ps();
+		for (int i = 0; i < 16; i++) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + 16 * i)));
+		const float m = _mm512_reduce_max_ps(amax);
+		if (m == 0.0f) {
+			memset(&ki, 0, sizeof ki);
+			memset(q, 0, 256);
+			continue;
+		}
+		const float iscale = -127.0f / m;
+		ki.d = 1.0f / iscale;
+		const __m512 vis = _mm512_set1_ps(iscale);
+		const __m512 magic = _mm512_set1_ps(12582912.0f);
+		const __m512i mant = _mm512_set1_epi32(0x007fffff), half = _mm512_set1_epi32(0x00400000);
+		int32_t s16[16];
+		for (int i = 0; i < 16; i++) {
+			const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * i), vis, magic);
+			__m512i v = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(t), mant), half);
+			v = _mm512_min_epi32(v, _mm512_set1_epi32(127));
+			_mm_storeu_si128((__m128i *)(q + 16 * i), _mm512_cvtsepi32_epi8(v));
+			s16[i] = _mm512_reduce_add_epi32(v);
+		}
+		for (int i = 0; i < 16; i++) ki.b16[i] = -32 * s16[i];
+		for (int j = 0; j < 8; j++) ki.s32[j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
+	}
+}
+
+inline __m512i bcast(const void * p) { return _mm512_set1_epi32(*(const int32_t *)p); }
+
 // tile computes out[r][0..15] for NR activation rows against one weight
-// tile. a: the first row's quants; stride between rows lda bytes; dm:
-// the first row's scales, ldd floats apart; out[r]: row r's 16 outputs.
+// tile. a: the first row's quants (rows nb*cols bytes apart); info: the
+// first row's block info (rows nb blocks apart); out[r]: row r's 16 outputs.
 template <format F, int NR>
-MN_TARGET void tile(int64_t nb, const uint8_t * w, const int8_t * a, int64_t lda, const float * dm, int64_t ldd, float * const * out) {
+MN_TARGET void tile(int64_t nb, const uint8_t * w, const int8_t * a, const void * info, float * const * out) {
+	const int64_t lda = nb * kBlock;
+	const float * dm = (const float *)info;
+	const int64_t ldd = nb * 2;
 	__m512 acc[NR];
 	for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
 	const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -134,9 +228,219 @@ MN_TARGET void tile(int64_t nb, const uint8_t * w, const int8_t * a, int64_t lda
 	for (int r = 0; r < NR; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 
-typedef void (*tile_fn)(int64_t, const uint8_t *, const int8_t *, int64_t, const float *, int64_t, float * const *);
+// tile_q4k: tile for Q4_K. Per super-block and row: d*sum_j sc_j*s_j -
+// dmin*sum_j m_j*sum32_j, times the activation's d, where s_j is sub-block
+// j's integer dot product.
+template <int NR>
+MN_TARGET void tile_q4k(int64_t nb, const uint8_t * w, const int8_t * a, const void * info, float * const * out) {
+	const int64_t lda = nb * 256;
+	const kinfo * ki = (const kinfo *)info;
+	__m512 acc[NR];
+	for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+	const __m512i m4 = _mm512_set1_epi8(0x0F);
+	for (int64_t b = 0; b < nb; b++, w += tile_block_bytes<Q4K>) {
+		__m512i isum[NR];
+		for (int r = 0; r < NR; r++) isum[r] = _mm512_setzero_si512();
+		const uint8_t * q = w + 320;
+		for (int j = 0; j < 8; j++) {
+			const uint8_t * qc = q + 512 * (j / 2);
+			__m512i u[8];
+			for (int g = 0; g < 8; g++) {
+				const __m512i z = _mm512_loadu_si512(qc + 64 * g);
+				u[g] = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(z, 4) : z, m4);
+			}
+			const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 64 + 16 * j)));
+#pragma GCC unroll 8
+			for (int r = 0; r < NR; r++) {
+				const int8_t * g = a + r * lda + b * 256 + 32 * j;
+				__m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], bcast(g));
+				s = _mm512_dpbusd_epi32(s, u[1], bcast(g + 4));
+				s = _mm512_dpbusd_epi32(s, u[2], bcast(g + 8));
+				s = _mm512_dpbusd_epi32(s, u[3], bcast(g + 12));
+				s = _mm512_dpbusd_epi32(s, u[4], bcast(g + 16));
+				s = _mm512_dpbusd_epi32(s, u[5], bcast(g + 20));
+				s = _mm512_dpbusd_epi32(s, u[6], bcast(g + 24));
+				s = _mm512_dpbusd_epi32(s, u[7], bcast(g + 28));
+				isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(s, sc));
+			}
+		}
+		const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+		const __m512 dmw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+		__m512i mv[4];
+		for (int p = 0; p < 4; p++) mv[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 192 + 32 * p)));
+		for (int r = 0; r < NR; r++) {
+			const kinfo & k = ki[r * nb + b];
+			__m512i mn = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mv[0], bcast(&k.s32[0]));
+			mn = _mm512_dpwssd_epi32(mn, mv[1], bcast(&k.s32[2]));
+			mn = _mm512_dpwssd_epi32(mn, mv[2], bcast(&k.s32[4]));
+			mn = _mm512_dpwssd_epi32(mn, mv[3], bcast(&k.s32[6]));
+			const __m512 da = _mm512_set1_ps(k.d);
+			acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, da), acc[r]);
+			acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mn), _mm512_mul_ps(dmw, da), acc[r]);
+		}
+	}
+	for (int r = 0; r < NR; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+// tile_q4k_row: tile_q4k for a single activation row (decode), reading
+// each quant byte once: both nibbles of a load feed their two sub-blocks.
+MN_TARGET void tile_q4k_row(int64_t nb, const uint8_t * w, const int8_t * a, const void * info, float * const * out) {
+	const kinfo * ki = (const kinfo *)info;
+	__m512 acc = _mm512_setzero_ps();
+	const __m512i m4 = _mm512_set1_epi8(0x0F);
+	for (int64_t b = 0; b < nb; b++, w += tile_block_bytes<Q4K>) {
+		const kinfo & k = ki[b];
+		__m512i isum = _mm512_setzero_si512();
+		for (int c = 0; c < 4; c++) {
+			const uint8_t * qc = w + 320 + 512 * c;
+			const int8_t * x = a + b * 256 + 64 * c;
+			__m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+			for (int g = 0; g < 8; g++) {
+				const __m512i z = _mm512_loadu_si512(qc + 64 * g);
+				s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(z, m4), bcast(x + 4 * g));
+				s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4), bcast(x + 32 + 4 * g));
+			}
+			const __m512i sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 64 + 32 * c)));
+			const __m512i sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 64 + 32 * c + 16)));
+			isum = _mm512_add_epi32(isum, _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
+		}
+		__m512i mn = _mm512_setzero_si512();
+		for (int p = 0; p < 4; p++) {
+			const __m512i mv = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 192 + 32 * p)));
+			mn = _mm512_dpwssd_epi32(mn, mv, bcast(&k.s32[2 * p]));
+		}
+		const __m512 da = _mm512_set1_ps(k.d);
+		const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+		const __m512 dmw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+		acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, da), acc);
+		acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mn), _mm512_mul_ps(dmw, da), acc);
+	}
+	_mm512_storeu_ps(out[0], acc);
+}
+
+// tile_q6k: tile for Q6_K. Per super-block and row: d*sum_g sc_g*(s_g -
+// 32*sum16_g), times the activation's d, where s_g is the integer dot
+// product of the unsigned quants over 16-column group g.
+template <int NR>
+MN_TARGET void tile_q6k(int64_t nb, const uint8_t * w, const int8_t * a, const void * info, float * const * out) {
+	const int64_t lda = nb * 256;
+	const kinfo * ki = (const kinfo *)info;
+	__m512 acc[NR];
+	for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+	const __m512i m4 = _mm512_set1_epi8(0x0F);
+	const __m512i m30 = _mm512_set1_epi8(0x30);
+	for (int64_t b = 0; b < nb; b++, w += tile_block_bytes<Q6K>) {
+		__m512i isum[NR];
+		for (int r = 0; r < NR; r++) isum[r] = _mm512_setzero_si512();
+		// Quarter qq of half n: columns 128n+32qq.., low bits from ql's
+		// low (qq 0, 1) or high (2, 3) nibbles of its first (0, 2) or
+		// second (1, 3) 32 bytes, high bits from qh's bits 2qq, 2qq+1.
+		for (int n = 0; n < 2; n++) {
+			for (int qq = 0; qq < 4; qq++) {
+				__m512i u[8];
+				for (int g = 0; g < 8; g++) {
+					__m512i lo = _mm512_loadu_si512(q6::ql(w, n, g + 8 * (qq & 1)));
+					__m512i hi = _mm512_loadu_si512(q6::qh(w, n, g));
+					if (qq >= 2) lo = _mm512_srli_epi16(lo, 4);
+					switch (qq) {
+					case 0: hi = _mm512_slli_epi16(hi, 4); break;
+					case 1: hi = _mm512_slli_epi16(hi, 2); break;
+					case 3: hi = _mm512_srli_epi16(hi, 2); break;
+					}
+					// (lo & 0x0F) | (hi & 0x30)
+					u[g] = _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(hi, m30));
+				}
+				const int g0 = 8 * n + 2 * qq;
+				const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + q6::sc + 16 * g0)));
+				const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + q6::sc + 16 * (g0 + 1))));
+#pragma GCC unroll 8
+				for (int r = 0; r < NR; r++) {
+					const int8_t * g = a + r * lda + b * 256 + 128 * n + 32 * qq;
+					const kinfo & k = ki[r * nb + b];
+					__m512i s0 = _mm512_dpbusd_epi32(bcast(&k.b16[g0]), u[0], bcast(g));
+					s0 = _mm512_dpbusd_epi32(s0, u[1], bcast(g + 4));
+					s0 = _mm512_dpbusd_epi32(s0, u[2], bcast(g + 8));
+					s0 = _mm512_dpbusd_epi32(s0, u[3], bcast(g + 12));
+					__m512i s1 = _mm512_dpbusd_epi32(bcast(&k.b16[g0 + 1]), u[4], bcast(g + 16));
+					s1 = _mm512_dpbusd_epi32(s1, u[5], bcast(g + 20));
+					s1 = _mm512_dpbusd_epi32(s1, u[6], bcast(g + 24));
+					s1 = _mm512_dpbusd_epi32(s1, u[7], bcast(g + 28));
+					isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(s0, sa), _mm512_mullo_epi32(s1, sb)));
+				}
+			}
+		}
+		const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + q6::d)));
+		for (int r = 0; r < NR; r++) {
+			const __m512 da = _mm512_set1_ps(ki[r * nb + b].d);
+			acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, da), acc[r]);
+		}
+	}
+	for (int r = 0; r < NR; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+// tile_q6k_row: tile_q6k for a single activation row (decode). It reads
+// each quant byte once, in address order, and keeps eight sums (four
+// quarters by two 16-column groups); tile_q6k instead unpacks a quarter at
+// a time, so that many rows share the unpacking, and revisits each qh byte
+// four times, which halved its speed from memory on one row.
+MN_TARGET void tile_q6k_row(int64_t nb, const uint8_t * w, const int8_t * a, const void * info, float * const * out) {
+	const kinfo * ki = (const kinfo *)info;
+	__m512 acc = _mm512_setzero_ps();
+	const __m512i m4 = _mm512_set1_epi8(0x0F);
+	const __m512i m30 = _mm512_set1_epi8(0x30);
+	// (x & 0x0F) | y, for y without bits in 0x0F
+	constexpr int lo_or = 0xEC; // (A & C) | B, C = m4: bit a*4+b*2+c of the table
+	for (int64_t b = 0; b < nb; b++, w += tile_block_bytes<Q6K>) {
+		const kinfo & k = ki[b];
+		__m512i isum = _mm512_setzero_si512();
+		for (int n = 0; n < 2; n++) {
+			const int8_t * x = a + b * 256 + 128 * n;
+			__m512i s[8]; // [quarter][16-column group]
+			for (int i = 0; i < 8; i++) s[i] = bcast(&k.b16[8 * n + i]);
+#pragma GCC unroll 8
+			for (int g = 0; g < 8; g++) {
+				const __m512i lo0 = _mm512_loadu_si512(q6::ql(w, n, g));
+				const __m512i lo1 = _mm512_loadu_si512(q6::ql(w, n, g + 8));
+				const __m512i h = _mm512_loadu_si512(q6::qh(w, n, g));
+				const __m512i u0 = _mm512_ternarylogic_epi32(lo0, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), m4, lo_or);
+				const __m512i u1 = _mm512_ternarylogic_epi32(lo1, _mm512_and_si512(_mm512_slli_epi16(h, 2), m30), m4, lo_or);
+				const __m512i u2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo0, 4), _mm512_and_si512(h, m30), m4, lo_or);
+				const __m512i u3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo1, 4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30), m4, lo_or);
+				const int half = g / 4;
+				s[0 + half] = _mm512_dpbusd_epi32(s[0 + half], u0, bcast(x + 4 * g));
+				s[2 + half] = _mm512_dpbusd_epi32(s[2 + half], u1, bcast(x + 32 + 4 * g));
+				s[4 + half] = _mm512_dpbusd_epi32(s[4 + half], u2, bcast(x + 64 + 4 * g));
+				s[6 + half] = _mm512_dpbusd_epi32(s[6 + half], u3, bcast(x + 96 + 4 * g));
+			}
+			for (int i = 0; i < 8; i++) {
+				const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + q6::sc + 16 * (8 * n + i))));
+				isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(s[i], sc));
+			}
+		}
+		const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + q6::d)));
+		acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(k.d)), acc);
+	}
+	_mm512_storeu_ps(out[0], acc);
+}
+
+typedef void (*tile_fn)(int64_t, const uint8_t *, const int8_t *, const void *, float * const *);
+
+template <format F, int NR>
+constexpr tile_fn tile_of() {
+	if constexpr (F == Q4K) return NR == 1 ? tile_q4k_row : tile_q4k<NR>;
+	else if constexpr (F == Q6K) return NR == 1 ? tile_q6k_row : tile_q6k<NR>;
+	else return tile<F, NR>;
+}
+
 template <format F>
-const tile_fn tiles[kRows + 1] = {nullptr, tile<F, 1>, tile<F, 2>, tile<F, 3>, tile<F, 4>, tile<F, 5>, tile<F, 6>, tile<F, 7>, tile<F, 8>};
+const tile_fn tiles[kRows + 1] = {nullptr, tile_of<F, 1>(), tile_of<F, 2>(), tile_of<F, 3>(), tile_of<F, 4>(), tile_of<F, 5>(), tile_of<F, 6>(), tile_of<F, 7>(), tile_of<F, 8>()};
+
+template <format F>
+void quantize(const float * x, int64_t k, int8_t * q, void * info) {
+	if constexpr (kquant(F)) quantize_row_k(x, k, q, (kinfo *)info);
+	else quantize_row(x, k, bias<F>, q, (float *)info);
+}
 
 bool cpu_ok() {
 	static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -156,19 +460,21 @@ inline float * dst_row(ggml_tensor * t, int64_t r) {
 	return (float *)((char *)t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3]);
 }
 
+template <format F>
 act_layout layout_of(const ggml_tensor * op) {
 	const ggml_tensor * src1 = op->src[1];
 	act_layout l;
 	l.rows = src1->ne[1] * src1->ne[2] * src1->ne[3];
 	l.k = src1->ne[0];
-	l.nb = l.k / kBlock;
+	l.nb = l.k / block_cols<F>;
+	l.info_bytes = kquant(F) ? sizeof(kinfo) : 2 * sizeof(float);
 	return l;
 }
 
 template <format F>
 class x16_traits : public ggml::cpu::tensor_traits {
 	bool work_size(int, const ggml_tensor * op, size_t & size) override {
-		size = layout_of(op).size();
+		size = layout_of<F>(op).size();
 		return true;
 	}
 
@@ -177,11 +483,11 @@ class x16_traits : public ggml::cpu::tensor_traits {
 		const ggml_tensor * src0 = op->src[0];
 		const ggml_tensor * src1 = op->src[1];
 		const int ith = params->ith, nth = params->nth;
-		const act_layout l = layout_of(op);
+		const act_layout l = layout_of<F>(op);
 		void * w = params->wdata;
 
 		for (int64_t r = ith; r < l.rows; r += nth) {
-			quantize_row(src_row(src1, r), l.k, bias<F>, l.q(w, r), l.dm(w, r));
+			quantize<F>(src_row(src1, r), l.k, l.q(w, r), l.info(w, r));
 		}
 
 		// Work: chunks of weight tiles x blocks of activation rows. A
@@ -199,18 +505,18 @@ class x16_traits : public ggml::cpu::tensor_traits {
 		ggml_barrier(params->threadpool);
 
 		const uint8_t * wbase = (const uint8_t *)src0->data;
-		const size_t tile_bytes = (size_t)l.nb * tile_block_bytes<F>;
+		const size_t tbytes = (size_t)tile_bytes<F>(l.nb);
 		float * outs[kRows];
 		for (int64_t c = ith; c < nchunks; c = ggml_threadpool_chunk_add(params->threadpool, 1)) {
 			const int64_t tc = c % ntc, rb = c / ntc;
 			const int64_t t0 = tc * tiles_per_chunk, t1 = std::min(ntiles, t0 + tiles_per_chunk);
 			const int64_t r0 = rb * rows_per_block, r1 = std::min(l.rows, r0 + rows_per_block);
 			for (int64_t t = t0; t < t1; t++) {
-				const uint8_t * wt = wbase + (size_t)t * tile_bytes;
+				const uint8_t * wt = wbase + (size_t)t * tbytes;
 				for (int64_t r = r0; r < r1; r += kRows) {
 					const int nr = (int)std::min<int64_t>(kRows, r1 - r);
 					for (int i = 0; i < nr; i++) outs[i] = dst_row(op, r + i) + t * kTile;
-					tiles<F>[nr](l.nb, wt, l.q(w, r), l.k, l.dm(w, r), l.nb * 2, outs);
+					tiles<F>[nr](l.nb, wt, l.q(w, r), l.info(w, r), outs);
 				}
 			}
 		}
@@ -220,6 +526,8 @@ class x16_traits : public ggml::cpu::tensor_traits {
 
 x16_traits<Q4> q4_traits;
 x16_traits<Q8> q8_traits;
+x16_traits<Q4K> q4k_traits;
+x16_traits<Q6K> q6k_traits;
 
 ggml_backend_buffer_type_t x16_buft();
 
@@ -242,6 +550,8 @@ class x16_extra : public ggml::cpu::extra_buffer_type {
 		switch (src0->type) {
 		case GGML_TYPE_Q4_0: return &q4_traits;
 		case GGML_TYPE_Q8_0: return &q8_traits;
+		case GGML_TYPE_Q4_K: return &q4k_traits;
+		case GGML_TYPE_Q6_K: return &q6k_traits;
 		default: return nullptr;
 		}
 	}
@@ -297,26 +607,75 @@ bool registered() {
 	return ok;
 }
 
+// pack writes t's ggml-layout bytes src into dst in the kernel's layout.
 template <format F>
 void pack(const ggml_tensor * t, const uint8_t * src, uint8_t * dst) {
-	constexpr size_t native = F == Q4 ? 18 : 34; // bytes of one row's block
-	const int64_t k = t->ne[0], n = t->ne[1], nb = k / kBlock;
+	constexpr size_t native = native_block_bytes<F>;
+	const int64_t k = t->ne[0], n = t->ne[1], nb = k / block_cols<F>;
 	const size_t row_bytes = (size_t)nb * native;
 	for (int64_t tt = 0; tt < n / kTile; tt++) {
 		for (int64_t b = 0; b < nb; b++) {
 			uint8_t * p = dst + ((size_t)tt * nb + b) * tile_block_bytes<F>;
 			for (int r = 0; r < kTile; r++) {
 				const uint8_t * s = src + (size_t)(tt * kTile + r) * row_bytes + (size_t)b * native;
-				memcpy(p + 2 * r, s, 2);
 				if constexpr (F == Q4) {
+					memcpy(p + 2 * r, s, 2);
 					for (int j = 0; j < 4; j++) memcpy(p + 32 + 64 * j + 4 * r, s + 2 + 4 * j, 4);
-				} else {
+				} else if constexpr (F == Q8) {
+					memcpy(p + 2 * r, s, 2);
 					for (int j = 0; j < 8; j++) {
 						for (int i = 0; i < 4; i++) p[32 + 64 * j + 4 * r + i] = (uint8_t)(s[2 + 4 * j + i] ^ 0x80);
+					}
+				} else if constexpr (F == Q4K) {
+					// block_q4_K: d, dmin, 12 bytes of 6-bit scales and
+					// mins (ggml's get_scale_min_k4), 128 quant bytes.
+					memcpy(p + 2 * r, s, 2);
+					memcpy(p + 32 + 2 * r, s + 2, 2);
+					const uint8_t * sm = s + 4;
+					for (int j = 0; j < 8; j++) {
+						uint8_t sc, m;
+						if (j < 4) {
+							sc = sm[j] & 63;
+							m = sm[j + 4] & 63;
+						} else {
+							sc = (sm[j + 4] & 0xF) | ((sm[j - 4] >> 6) << 4);
+							m = (sm[j + 4] >> 4) | ((sm[j] >> 6) << 4);
+						}
+						p[64 + 16 * j + r] = sc;
+						p[192 + 32 * (j / 2) + 2 * r + j % 2] = m;
+					}
+					for (int c = 0; c < 4; c++) {
+						for (int g = 0; g < 8; g++) memcpy(p + 320 + 512 * c + 64 * g + 4 * r, s + 16 + 32 * c + 4 * g, 4);
+					}
+				} else {
+					// block_q6_K: ql[128], qh[64], scales[16], d.
+					memcpy(p + q6::d + 2 * r, s + 208, 2);
+					for (int g = 0; g < 16; g++) p[q6::sc + 16 * g + r] = s[192 + g];
+					for (int h = 0; h < 2; h++) {
+						for (int j = 0; j < 16; j++) memcpy((uint8_t *)q6::ql(p, h, j) + 4 * r, s + 64 * h + 4 * j, 4);
+						for (int g = 0; g < 8; g++) memcpy((uint8_t *)q6::qh(p, h, g) + 4 * r, s + 128 + 32 * h + 4 * g, 4);
 					}
 				}
 			}
 		}
+	}
+}
+
+// packed_bytes is the size of t in the kernel's layout, 0 when t cannot
+// take it.
+template <format F>
+size_t packed_bytes(const ggml_tensor * t) {
+	if (ggml_n_dims(t) != 2 || t->ne[0] % block_cols<F> != 0 || t->ne[1] % kTile != 0) return 0;
+	return (size_t)(t->ne[1] / kTile) * (size_t)tile_bytes<F>(t->ne[0] / block_cols<F>);
+}
+
+size_t packed_bytes(const ggml_tensor * t) {
+	switch (t->type) {
+	case GGML_TYPE_Q4_0: return packed_bytes<Q4>(t);
+	case GGML_TYPE_Q8_0: return packed_bytes<Q8>(t);
+	case GGML_TYPE_Q4_K: return packed_bytes<Q4K>(t);
+	case GGML_TYPE_Q6_K: return packed_bytes<Q6K>(t);
+	default: return 0;
 	}
 }
 
@@ -329,13 +688,12 @@ int meshnode_x16_cpu(void) { return cpu_ok(); }
 int meshnode_x16_register(void) { return registered(); }
 
 int meshnode_x16_ok(const struct ggml_tensor * t) {
-	return (t->type == GGML_TYPE_Q4_0 || t->type == GGML_TYPE_Q8_0) && ggml_n_dims(t) == 2 &&
-	       t->ne[0] % kBlock == 0 && t->ne[1] % kTile == 0 && registered();
+	return packed_bytes(t) != 0 && registered();
 }
 
 ggml_backend_buffer_t meshnode_x16_take(struct ggml_tensor * t, const void * data) {
 	if (!meshnode_x16_ok(t)) return nullptr;
-	ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(x16_buft(), ggml_nbytes(t));
+	ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(x16_buft(), packed_bytes(t));
 	if (buf == nullptr) return nullptr;
 	ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
 	t->buffer = nullptr;
@@ -344,25 +702,34 @@ ggml_backend_buffer_t meshnode_x16_take(struct ggml_tensor * t, const void * dat
 		ggml_backend_buffer_free(buf);
 		return nullptr;
 	}
-	if (t->type == GGML_TYPE_Q4_0) {
-		pack<Q4>(t, (const uint8_t *)data, (uint8_t *)t->data);
-	} else {
-		pack<Q8>(t, (const uint8_t *)data, (uint8_t *)t->data);
+	switch (t->type) {
+	case GGML_TYPE_Q4_0: pack<Q4>(t, (const uint8_t *)data, (uint8_t *)t->data); break;
+	case GGML_TYPE_Q8_0: pack<Q8>(t, (const uint8_t *)data, (uint8_t *)t->data); break;
+	case GGML_TYPE_Q4_K: pack<Q4K>(t, (const uint8_t *)data, (uint8_t *)t->data); break;
+	default: pack<Q6K>(t, (const uint8_t *)data, (uint8_t *)t->data); break;
 	}
 	return buf;
 }
 
 } // extern "C"
 
-// meshnode_x16_check multiplies a random [k, n] weight of type (Q4_0 or
-// Q8_0) by a random [k, m] activation on ggml's CPU backend twice, once
+// meshnode_x16_check multiplies a random [k, n] weight of type (Q4_0,
+// Q8_0, Q4_K or Q6_K) by a random [k, m] activation on ggml's CPU backend twice, once
 // with the weight in X16 and once in ggml's plain layout, and returns
 // max|a-b| / max|b|; -1 when the kernel cannot run here. Tests use it to check the kernel on shapes
 // (row tails, several row blocks, thread counts) that models rarely hit.
-extern "C" double meshnode_x16_check(int type, int k, int n, int m, int threads, unsigned seed) {
+// With iters > 0 it also times iters more computes of each after the
+// first and writes the mean seconds per compute into secs[0] (X16) and
+// secs[1] (ggml) for the benchmark.
+extern "C" double meshnode_x16_check(int type, int k, int n, int m, int threads, unsigned seed, int iters, double * secs) {
 	const ggml_type wt = (ggml_type)type;
-	if (!registered() || (wt != GGML_TYPE_Q4_0 && wt != GGML_TYPE_Q8_0) || k % kBlock != 0 || n % kTile != 0) return -1;
-	const size_t native = wt == GGML_TYPE_Q4_0 ? 18 : 34;
+	if (!registered() || (wt != GGML_TYPE_Q4_0 && wt != GGML_TYPE_Q8_0 && wt != GGML_TYPE_Q4_K && wt != GGML_TYPE_Q6_K)) return -1;
+	if (k % ggml_blck_size(wt) != 0 || n % kTile != 0) return -1;
+	const size_t native = ggml_type_size(wt);
+	// Where each block keeps its f16 scales; any other bytes are valid.
+	std::vector<size_t> halves = {0};
+	if (wt == GGML_TYPE_Q4_K) halves = {0, 2};
+	if (wt == GGML_TYPE_Q6_K) halves = {208};
 	uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
 	auto next = [&state]() {
 		state ^= state << 13;
@@ -370,15 +737,17 @@ extern "C" double meshnode_x16_check(int type, int k, int n, int m, int threads,
 		state ^= state << 17;
 		return state;
 	};
-	const size_t nb = (size_t)k / kBlock;
+	const size_t nb = (size_t)k / ggml_blck_size(wt);
 	std::vector<uint8_t> wq((size_t)n * nb * native);
 	for (size_t i = 0; i < (size_t)n * nb; i++) {
-		const ggml_fp16_t d = ggml_fp32_to_fp16(0.001f + (float)(next() % 1000) * 1e-5f);
-		memcpy(&wq[i * native], &d, 2);
-		for (size_t j = 2; j < native; j++) {
+		for (size_t j = 0; j < native; j++) {
 			uint8_t v = (uint8_t)next();
 			if (wt == GGML_TYPE_Q8_0 && v == 0x80) v = 0x81; // Q8_0 quants are -127..127
 			wq[i * native + j] = v;
+		}
+		for (size_t h : halves) {
+			const ggml_fp16_t d = ggml_fp32_to_fp16(0.001f + (float)(next() % 1000) * 1e-5f);
+			memcpy(&wq[i * native + h], &d, 2);
 		}
 	}
 	std::vector<float> x((size_t)k * m);
@@ -404,7 +773,12 @@ extern "C" double meshnode_x16_check(int type, int k, int n, int m, int threads,
 			ggml_backend_tensor_set(w, wq.data(), 0, wq.size());
 		}
 		ggml_backend_tensor_set(a, x.data(), 0, x.size() * sizeof(float));
-		const bool ok = (pass == 1 || own != nullptr) && ggml_backend_graph_compute(be, g) == GGML_STATUS_SUCCESS;
+		bool ok = (pass == 1 || own != nullptr) && ggml_backend_graph_compute(be, g) == GGML_STATUS_SUCCESS;
+		if (ok && iters > 0) {
+			const auto t0 = std::chrono::steady_clock::now();
+			for (int i = 0; i < iters && ok; i++) ok = ggml_backend_graph_compute(be, g) == GGML_STATUS_SUCCESS;
+			secs[pass] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+		}
 		if (ok) {
 			out[pass].resize((size_t)n * m);
 			ggml_backend_tensor_get(y, out[pass].data(), 0, out[pass].size() * sizeof(float));

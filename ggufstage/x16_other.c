@@ -20,7 +20,9 @@ ggml_backend_buffer_t meshnode_x16_take(struct ggml_tensor * t, const void * dat
 	return NULL;
 }
 
-double meshnode_x16_check(int type, int k, int n, int m, int threads, unsigned seed) {
+double meshnode_x16_check(int type, int k, int n, int m, int threads, unsigned seed, int iters, double * secs) {
+	(void)iters;
+	(void)secs;
 	(void)type;
 	(void)k;
 	(void)n;
