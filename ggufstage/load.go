@@ -52,6 +52,7 @@ func loadWeights(b ml.Backend, path string, meta *gguf.File, last, repack bool) 
 				held += n
 				continue
 			}
+			advise(target)
 			target.FromBytes(buf)
 			held += n
 		}

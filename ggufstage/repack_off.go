@@ -42,3 +42,6 @@ func attnMoved(int, int, int, int, uint32, bool, bool) int { return -1 }
 func allowAlloc() {}
 
 func setAttnKernel(bool) {}
+
+// advise: huge pages need the repack build's cgo helpers.
+func advise(any) {}

@@ -18,6 +18,7 @@ package ggufstage
 #include "ggml-cpu.h"
 #include "x16.h"
 #include "attn.h"
+#include "hugepage.h"
 
 static ggml_backend_buffer_type_t meshnode_repack_buft(void) {
 	ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
@@ -95,8 +96,17 @@ static ggml_backend_buffer_t meshnode_repack(ggml_backend_buffer_type_t buft, st
 		ggml_backend_buffer_free(buf);
 		return NULL;
 	}
+	meshnode_advise_huge(t->data, size);
 	ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
 	return buf;
+}
+
+// meshnode_advise_plain: huge pages for a weight about to be written in
+// place, where it is in host memory.
+static void meshnode_advise_plain(struct ggml_tensor * t) {
+	if (t->buffer != NULL && ggml_backend_buffer_is_host(t->buffer) && t->data != NULL) {
+		meshnode_advise_huge(t->data, ggml_nbytes(t));
+	}
 }
 */
 import "C"
@@ -189,6 +199,17 @@ func (r *repacker) take(target ml.Tensor, data []byte) bool {
 	r.bufs = append(r.bufs, buf)
 	return true
 }
+
+// advise asks for huge pages under a weight that stays in ollama's own
+// buffer, before it is written (see hugepage.c).
+func advise(target ml.Tensor) {
+	if ct := cTensor(target); ct != nil {
+		C.meshnode_advise_plain(ct)
+	}
+}
+
+// adviseHuge is meshnode_advise_huge, for tests.
+func adviseHuge(p unsafe.Pointer, n int) { C.meshnode_advise_huge(p, C.size_t(n)) }
 
 // count is the number of tensors repacked so far (tests check that
 // repacking really happens).

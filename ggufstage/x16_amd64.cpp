@@ -62,6 +62,7 @@
 
 #include "x16.h"
 #include "attn.h"
+#include "hugepage.h"
 
 #define MN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
 
@@ -702,6 +703,7 @@ ggml_backend_buffer_t meshnode_x16_take(struct ggml_tensor * t, const void * dat
 		ggml_backend_buffer_free(buf);
 		return nullptr;
 	}
+	meshnode_advise_huge(t->data, packed_bytes(t));
 	switch (t->type) {
 	case GGML_TYPE_Q4_0: pack<Q4>(t, (const uint8_t *)data, (uint8_t *)t->data); break;
 	case GGML_TYPE_Q8_0: pack<Q8>(t, (const uint8_t *)data, (uint8_t *)t->data); break;
