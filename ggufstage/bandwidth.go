@@ -37,7 +37,9 @@ func ReadBandwidth(threads int, size int) float64 {
 	if per == 0 {
 		return 0
 	}
-	buf := make([]uint64, per*threads/8)
+	mem, release := probeBuffer(per * threads)
+	defer release()
+	buf := unsafe.Slice((*uint64)(unsafe.Pointer(&mem[0])), len(mem)/8)
 	for i := range buf {
 		buf[i] = uint64(i) // touch every page before timing
 	}
