@@ -151,43 +151,42 @@ func Run(ctx context.Context, cfg Config, log io.Writer) ([]Row, error) {
 		engine  string
 		streams int
 	}
-	names := make([]string, 0, len(runners)+1)
+	// Every engine measured, in the order runs alternate between them.
+	type engine struct {
+		name    string
+		measure func(streams int, seed uint64) (prefill, decode float64, err error)
+	}
+	var engines []engine
 	for _, r := range runners {
-		names = append(names, r.name)
+		engines = append(engines, engine{r.name, func(n int, seed uint64) (float64, float64, error) { return measure(r.r, cfg, n, seed) }})
 	}
 	if cfg.LlamaCpp != "" {
-		names = append(names, LlamaCppEngine)
+		engines = append(engines, engine{LlamaCppEngine, func(n int, seed uint64) (float64, float64, error) { return measureLlamaCpp(ctx, cfg, n, seed) }})
 	}
 	pre := map[key][]float64{}
 	dec := map[key][]float64{}
 	for run := range cfg.Runs {
 		for _, n := range cfg.Streams {
-			for i, name := range names {
+			for _, e := range engines {
 				if err := ctx.Err(); err != nil {
 					return nil, err
 				}
-				var p, d float64
-				var err error
-				if i < len(runners) {
-					p, d, err = measure(runners[i].r, cfg, n, uint64(run))
-				} else {
-					p, d, err = measureLlamaCpp(ctx, cfg, n, uint64(run))
-				}
+				p, d, err := e.measure(n, uint64(run))
 				if err != nil {
-					return nil, fmt.Errorf("%s, %d streams: %w", name, n, err)
+					return nil, fmt.Errorf("%s, %d streams: %w", e.name, n, err)
 				}
-				k := key{name, n}
+				k := key{e.name, n}
 				pre[k] = append(pre[k], p)
 				dec[k] = append(dec[k], d)
-				fmt.Fprintf(log, "run %d  %-9s streams %d  prefill %8.1f tok/s  decode %7.2f tok/s\n", run+1, name, n, p, d)
+				fmt.Fprintf(log, "run %d  %-9s streams %d  prefill %8.1f tok/s  decode %7.2f tok/s\n", run+1, e.name, n, p, d)
 			}
 		}
 	}
 	var rows []Row
 	for _, n := range cfg.Streams {
-		for _, name := range names {
-			k := key{name, n}
-			row := Row{Engine: name, Streams: n, PrefillTPS: median(pre[k]), DecodeTPS: median(dec[k])}
+		for _, e := range engines {
+			k := key{e.name, n}
+			row := Row{Engine: e.name, Streams: n, PrefillTPS: median(pre[k]), DecodeTPS: median(dec[k])}
 			if n == 1 {
 				row.FloorTPS = floor
 			}
