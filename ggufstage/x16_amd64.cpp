@@ -80,10 +80,6 @@ template <format F> constexpr int tile_block_bytes = F == Q4 ? 288 : F == Q8 ? 5
 template <format F> constexpr size_t native_block_bytes = F == Q4 ? 18 : F == Q8 ? 34 : F == Q4K ? 144 : 210;
 template <format F> constexpr float bias = F == Q4 ? 8.0f : 128.0f;
 
-// tile_bytes is the size of one tile of 16 rows of nb blocks.
-template <format F>
-int64_t tile_bytes(int64_t nb) { return nb * tile_block_bytes<F>; }
-
 // What a K-quant kernel needs of one activation row's super-block besides
 // its quants: ggml's Q8_K scale, the quants' sums per 32 columns (Q4_K's
 // mins) and -32 times their sums per 16 columns (Q6_K's offset).
@@ -506,7 +502,7 @@ class x16_traits : public ggml::cpu::tensor_traits {
 		ggml_barrier(params->threadpool);
 
 		const uint8_t * wbase = (const uint8_t *)src0->data;
-		const size_t tbytes = (size_t)tile_bytes<F>(l.nb);
+		const size_t tbytes = (size_t)l.nb * tile_block_bytes<F>;
 		float * outs[kRows];
 		for (int64_t c = ith; c < nchunks; c = ggml_threadpool_chunk_add(params->threadpool, 1)) {
 			const int64_t tc = c % ntc, rb = c / ntc;
@@ -667,7 +663,7 @@ void pack(const ggml_tensor * t, const uint8_t * src, uint8_t * dst) {
 template <format F>
 size_t packed_bytes(const ggml_tensor * t) {
 	if (ggml_n_dims(t) != 2 || t->ne[0] % block_cols<F> != 0 || t->ne[1] % kTile != 0) return 0;
-	return (size_t)(t->ne[1] / kTile) * (size_t)tile_bytes<F>(t->ne[0] / block_cols<F>);
+	return (size_t)(t->ne[1] / kTile) * (size_t)(t->ne[0] / block_cols<F>) * tile_block_bytes<F>;
 }
 
 size_t packed_bytes(const ggml_tensor * t) {

@@ -25,9 +25,8 @@ func TestX16MatchesGGML(t *testing.T) {
 		}
 		t.Skip("no X16 kernel in this build or on this CPU (needs the repack build tag and AVX512-VNNI)")
 	}
-	shapes := []struct {
-		k, n, m, threads int
-	}{
+	type shape struct{ k, n, m, threads int }
+	shapes := []shape{
 		{32, 16, 1, 1},
 		{2048, 64, 1, 2},
 		{160, 48, 3, 1},
@@ -37,9 +36,7 @@ func TestX16MatchesGGML(t *testing.T) {
 		{8192, 16, 70, 1},  // 32 rows per block
 		{2048, 256, 512, 2},
 	}
-	kShapes := []struct {
-		k, n, m, threads int
-	}{
+	kShapes := []shape{
 		{256, 16, 1, 1},
 		{2048, 64, 1, 2},
 		{768, 48, 3, 1},
@@ -51,7 +48,7 @@ func TestX16MatchesGGML(t *testing.T) {
 	types := []struct {
 		name   string
 		typ    uint32
-		shapes []struct{ k, n, m, threads int }
+		shapes []shape
 	}{
 		{"Q4_0", gguf.TypeQ4_0, shapes},
 		{"Q8_0", gguf.TypeQ8_0, shapes},
