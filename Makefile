@@ -17,7 +17,7 @@ export CGO_CXXFLAGS = -O3 -march=$(MARCH)
 export CGO_CPPFLAGS = -DGGML_USE_CPU_REPACK $(GGML_INC)
 TAGS      ?= repack
 
-.PHONY: build portable test fuzz vet proto bench clean env serve llamacpp-ref
+.PHONY: build portable portable-check test fuzz vet proto bench clean env serve llamacpp-ref
 
 build:
 	$(GO) build -tags '$(TAGS)' -o bin/meshnode ./cmd/meshnode
@@ -37,7 +37,7 @@ llamacpp-ref:
 
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-test: llamacpp-ref
+test: llamacpp-ref portable-check
 	$(GO) vet -tags '$(TAGS)' ./...
 	test -z "$$(gofmt -l .)" || (gofmt -l .; echo "gofmt: the files above need formatting"; exit 1)
 	$(GO) run $(STATICCHECK) -tags '$(TAGS)' ./...
@@ -54,6 +54,15 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzStream$$' -fuzztime $(FUZZTIME) ./node/text/
 	$(GO) test -run '^$$' -fuzz '^FuzzRequest$$' -fuzztime $(FUZZTIME) ./node/openai/
 	$(GO) test -tags '$(TAGS)' -run '^$$' -fuzz '^FuzzTokenizer$$' -fuzztime $(FUZZTIME) ./ggufstage/
+
+# meshnode's own kernels (ggufstage/*.cpp) pick their instructions with
+# target attributes, so they must compile for the portable release target
+# too, not only for this machine's -march=native: a helper without the
+# attribute builds here and fails 'make portable'. Compiling them alone
+# (-c: the mismatch shows when inlining) takes seconds; the full portable
+# build recompiles ggml.
+portable-check:
+	for f in ggufstage/*_amd64.cpp; do $(CXX) -c -o /dev/null -O3 -march=x86-64-v3 $(CGO_CPPFLAGS) $$f || exit 1; done
 
 vet:
 	$(GO) vet -tags '$(TAGS)' ./...

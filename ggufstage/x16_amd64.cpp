@@ -177,7 +177,7 @@ MN_TARGET void quantize_row_k(const float * x, int64_t k, int8_t * q, kinfo * in
 	}
 }
 
-inline __m512i bcast(const void * p) { return _mm512_set1_epi32(*(const int32_t *)p); }
+MN_TARGET inline __m512i bcast(const void * p) { return _mm512_set1_epi32(*(const int32_t *)p); }
 
 // tile computes out[r][0..15] for NR activation rows against one weight
 // tile. a: the first row's quants (rows nb*cols bytes apart); info: the
