@@ -179,7 +179,7 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 	if err != nil {
 		return nil, err
 	}
-	hc := host.Config{DataDir: cfg.DataDir, Listen: cfg.Listen, MeshKey: key, Logger: log.Named("p2p"), MDNS: cfg.MDNS}
+	hc := host.Config{DataDir: cfg.DataDir, Listen: cfg.Listen, MeshKey: key, Logger: log.Named("p2p"), MDNS: cfg.MDNS, BusyPoll: max(cfg.BusyPoll, 0)}
 	if len(cfg.AllowPeers) > 0 {
 		allowed := map[peer.ID]bool{}
 		for _, s := range cfg.AllowPeers {
@@ -780,6 +780,12 @@ func (m *mesh) probeDevice(mm *meshModel) {
 		m.meta.MemTotal = d.TotalMemory
 		m.mu.Unlock()
 		m.event("device", "layers will run on %s %s (%s free)", d.Library, d.Description, HumanBytes(d.FreeMemory))
+		if m.cfg.BusyPoll == BusyPollAuto {
+			// The host is idle while the GPU computes: spend a core to
+			// take each hop's message the moment it lands.
+			m.host.SetBusyPoll(DefaultBusyPoll)
+			m.event("device", "connections busy-poll for %s after each message (--busy-poll)", DefaultBusyPoll)
+		}
 		m.publish()
 		return
 	}

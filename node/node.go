@@ -71,6 +71,12 @@ type Config struct {
 	// AllowPeers, when set, admits only these peer IDs to the mesh (on top
 	// of the mesh key): --trust allowlist.
 	AllowPeers []string
+	// BusyPoll is how long this node's connections keep polling for the
+	// next message after one before they sleep: lower latency per hop for
+	// a CPU per busy connection. BusyPollAuto (serve's and join's
+	// default) is DefaultBusyPoll on a node whose layers run on a GPU, off
+	// elsewhere; 0 is off.
+	BusyPoll time.Duration
 
 	// Ready, if set, is called with the HTTP address once the node serves.
 	Ready func(addr string)
@@ -98,6 +104,16 @@ type Config struct {
 	// planner still counts f16), to compare with engines that keep f32.
 	kvF32 bool
 }
+
+// BusyPollAuto in Config.BusyPoll busy-polls on GPU nodes only.
+const BusyPollAuto time.Duration = -1
+
+// DefaultBusyPoll is the busy-poll window of a GPU node: longer than the
+// gap between two decode steps' messages on a hop (a few ms at one stream,
+// about 20 ms at 32 streams for an 8B model on an H200), so that a link
+// that carries decode traffic never sleeps, and one that falls quiet does
+// after this long.
+const DefaultBusyPoll = 25 * time.Millisecond
 
 // mlxDevice is where this node would run MLX stages ("metal", "emulated"
 // under the test hook), or "" when it cannot.

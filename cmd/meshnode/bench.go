@@ -62,6 +62,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	pipelining := fs.Bool("pipelining", false, "with --mesh: nodes keep one micro-batch in flight per stage (serve --pipelining)")
 	prefill := fs.Int("prefill", 512, "with --mesh: prompt tokens per stream of the prefill measurement; -1 skips it")
 	wire := fs.String("wire-dtype", "", "with --mesh: activations between stages (f16 or f32; default the nodes')")
+	busyPoll := fs.String("busy-poll", "", "with --mesh: the nodes' --busy-poll (auto, off or a duration; default the nodes')")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -107,6 +108,13 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		}
 		if *wire != "" {
 			mc.NodeArgs = append(mc.NodeArgs, "--wire-dtype", *wire)
+		}
+		if *busyPoll != "" {
+			var d time.Duration
+			if err := (busyPollFlag{&d}).Set(*busyPoll); err != nil {
+				return fmt.Errorf("--busy-poll %w", err)
+			}
+			mc.NodeArgs = append(mc.NodeArgs, "--busy-poll", *busyPoll)
 		}
 		mc.GPUPerNode = *gpuPerNode
 		if mc.Stages, err = parseCounts("--stages", *stages); err != nil {

@@ -3,8 +3,10 @@ package main
 import (
 	"io"
 	"testing"
+	"time"
 
 	"github.com/meshnode/meshnode/ggufstage"
+	"github.com/meshnode/meshnode/node"
 )
 
 // TestFlashAttnFlag parses --flash-attn the ways users write it: the bare
@@ -64,6 +66,45 @@ func TestFlashAttnFlag(t *testing.T) {
 			}
 			if err == nil && f.cfg.FlashAttention != tc.want {
 				t.Fatalf("parse %v: flash attention %v, want %v", args, f.cfg.FlashAttention, tc.want)
+			}
+		})
+	}
+}
+
+// TestBusyPollFlag parses --busy-poll: auto by default, off, a duration,
+// from the environment, and values it must refuse.
+func TestBusyPollFlag(t *testing.T) {
+	tests := []struct {
+		name    string
+		args    []string
+		env     string
+		want    time.Duration
+		wantErr bool
+	}{
+		{"default", nil, "", node.BusyPollAuto, false},
+		{"auto", []string{"--busy-poll=auto"}, "", node.BusyPollAuto, false},
+		{"off", []string{"--busy-poll=off"}, "", 0, false},
+		{"zero", []string{"--busy-poll=0"}, "", 0, false},
+		{"duration", []string{"--busy-poll", "5ms"}, "", 5 * time.Millisecond, false},
+		{"environment", nil, "40ms", 40 * time.Millisecond, false},
+		{"negative", []string{"--busy-poll=-1ms"}, "", node.BusyPollAuto, true},
+		{"nonsense", []string{"--busy-poll=fast"}, "", node.BusyPollAuto, true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.env != "" {
+				t.Setenv("MESHNODE_BUSY_POLL", tc.env)
+			}
+			var f nodeFlags
+			fs := newFlags("serve [flags]", "test", "")
+			fs.SetOutput(io.Discard)
+			f.register(fs)
+			err := parse(fs, tc.args)
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("parse %v: error %v, want error %v", tc.args, err, tc.wantErr)
+			}
+			if !tc.wantErr && f.cfg.BusyPoll != tc.want {
+				t.Errorf("parse %v: %v, want %v", tc.args, f.cfg.BusyPoll, tc.want)
 			}
 		})
 	}

@@ -82,8 +82,9 @@ type guard struct {
 	log         *zap.Logger
 	allow       func(peer.ID) bool
 	proofKey    []byte
-	oldProofKey []byte // v1 proofs: meshnode before the link cipher, which cannot talk to us
-	linkKey     []byte // the link cipher's keys are derived from it and both proofs' nonces
+	oldProofKey []byte       // v1 proofs: meshnode before the link cipher, which cannot talk to us
+	linkKey     []byte       // the link cipher's keys are derived from it and both proofs' nonces
+	busyPoll    atomic.Int64 // the busy-poll window of every connection, ns (see busypoll.go)
 }
 
 // newGuard derives the guard's keys from the mesh key.
@@ -144,6 +145,7 @@ type proofConn struct {
 	rmu, wmu   sync.Mutex
 	send, recv cipher.Stream
 	wbuf       []byte
+	busy       *busyReader // nil: plain reads
 }
 
 // linkChunk bounds the encryption buffer of one Write.
@@ -159,7 +161,7 @@ func newProofConn(c manet.Conn, g *guard) (*proofConn, error) {
 		return nil, fmt.Errorf("send mesh key proof: %w", err)
 	}
 	_ = c.SetWriteDeadline(time.Time{})
-	return &proofConn{Conn: c, g: g, nonce: p[:proofNonceLen]}, nil
+	return &proofConn{Conn: c, g: g, nonce: p[:proofNonceLen], busy: newBusyReader(c, &g.busyPoll)}, nil
 }
 
 func (c *proofConn) check() error {
@@ -211,7 +213,13 @@ func (c *proofConn) Read(b []byte) (int, error) {
 	}
 	c.rmu.Lock()
 	defer c.rmu.Unlock()
-	n, err := c.Conn.Read(b)
+	var n int
+	var err error
+	if c.busy != nil {
+		n, err = c.busy.Read(b)
+	} else {
+		n, err = c.Conn.Read(b)
+	}
 	c.recv.XORKeyStream(b[:n], b[:n])
 	return n, err
 }
@@ -239,6 +247,14 @@ func (c *proofConn) Write(b []byte) (int, error) {
 		b = b[len(out):]
 	}
 	return written, nil
+}
+
+// Close ends a read that busy-polls at once, not at the end of its window.
+func (c *proofConn) Close() error {
+	if c.busy != nil {
+		return c.busy.Close()
+	}
+	return c.Conn.Close()
 }
 
 // TCP options that libp2p sets on accepted connections through interface

@@ -53,6 +53,12 @@ func BenchmarkOneWay(b *testing.B) {
 // benchStream connects two hosts of one mesh on loopback and opens a
 // stream to a server (echo or discard) on the second.
 func benchStream(b *testing.B, serve func(net.Listener)) net.Conn {
+	c, _ := meshStream(b, serve)
+	return c
+}
+
+// meshStream is benchStream for any test, returning the two hosts too.
+func meshStream(b testing.TB, serve func(net.Listener)) (net.Conn, []*Host) {
 	b.Helper()
 	key, err := GenerateMeshKey()
 	if err != nil {
@@ -80,7 +86,7 @@ func benchStream(b *testing.B, serve func(net.Listener)) net.Conn {
 	if err != nil {
 		b.Fatal(err)
 	}
-	return c
+	return c, hosts
 }
 
 // serveEach accepts connections on ln until it closes, handling each.
