@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"testing"
 	"time"
 )
@@ -33,6 +34,61 @@ func BenchmarkRoundTrip(b *testing.B) {
 			defer c.Close()
 			pingPong(b, c, size)
 		})
+	}
+}
+
+// BenchmarkRoundTripAfterPause is BenchmarkRoundTrip with a pause before
+// each round trip, as a decode step leaves between two hops, so that the
+// threads that serve the connection go to sleep: plain TCP, libp2p, and
+// libp2p with busy polling (see busypoll.go). It reports the median round
+// trip; the pauses are not timed.
+func BenchmarkRoundTripAfterPause(b *testing.B) {
+	const size = 16 << 10
+	for _, pause := range []time.Duration{0, 2 * time.Millisecond} {
+		for _, tc := range []struct {
+			name string
+			busy time.Duration
+		}{{"tcp", 0}, {"libp2p", 0}, {"libp2p-busy", 25 * time.Millisecond}} {
+			b.Run(fmt.Sprintf("%s/pause=%v", tc.name, pause), func(b *testing.B) {
+				var c net.Conn
+				if tc.name == "tcp" {
+					ln, err := net.Listen("tcp", "127.0.0.1:0")
+					if err != nil {
+						b.Fatal(err)
+					}
+					defer ln.Close()
+					go echo(ln)
+					if c, err = net.Dial("tcp", ln.Addr().String()); err != nil {
+						b.Fatal(err)
+					}
+				} else {
+					var hosts []*Host
+					c, hosts = meshStream(b, echo)
+					for _, h := range hosts {
+						h.SetBusyPoll(tc.busy)
+					}
+				}
+				defer c.Close()
+				buf := make([]byte, size)
+				rtts := make([]time.Duration, 0, b.N)
+				b.ResetTimer()
+				for range b.N {
+					b.StopTimer()
+					time.Sleep(pause)
+					b.StartTimer()
+					start := time.Now()
+					if _, err := c.Write(buf); err != nil {
+						b.Fatal(err)
+					}
+					if _, err := io.ReadFull(c, buf); err != nil {
+						b.Fatal(err)
+					}
+					rtts = append(rtts, time.Since(start))
+				}
+				slices.Sort(rtts)
+				b.ReportMetric(float64(rtts[len(rtts)/2].Microseconds()), "µs-median")
+			})
+		}
 	}
 }
 
