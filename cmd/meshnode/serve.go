@@ -228,7 +228,9 @@ type busyPollFlag struct{ d *time.Duration }
 
 func (f busyPollFlag) String() string {
 	switch {
-	case f.d == nil || *f.d == node.BusyPollAuto:
+	case f.d == nil:
+		return "" // the flag package's zero value, so that --help shows the default
+	case *f.d == node.BusyPollAuto:
 		return "auto"
 	case *f.d == 0:
 		return "off"
