@@ -179,7 +179,7 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 	if err != nil {
 		return nil, err
 	}
-	hc := host.Config{DataDir: cfg.DataDir, Listen: cfg.Listen, MeshKey: key, Logger: log.Named("p2p"), MDNS: cfg.MDNS, BusyPoll: max(cfg.BusyPoll, 0)}
+	hc := host.Config{DataDir: cfg.DataDir, Listen: cfg.Listen, MeshKey: key, Logger: log.Named("p2p"), MDNS: cfg.MDNS, BusyPoll: busyPollWindow(cfg.BusyPoll, false)}
 	if len(cfg.AllowPeers) > 0 {
 		allowed := map[peer.ID]bool{}
 		for _, s := range cfg.AllowPeers {
@@ -780,11 +780,11 @@ func (m *mesh) probeDevice(mm *meshModel) {
 		m.meta.MemTotal = d.TotalMemory
 		m.mu.Unlock()
 		m.event("device", "layers will run on %s %s (%s free)", d.Library, d.Description, HumanBytes(d.FreeMemory))
-		if m.cfg.BusyPoll == BusyPollAuto {
+		if w := busyPollWindow(m.cfg.BusyPoll, true); w != busyPollWindow(m.cfg.BusyPoll, false) {
 			// The host is idle while the GPU computes: spend a core to
 			// take each hop's message the moment it lands.
-			m.host.SetBusyPoll(DefaultBusyPoll)
-			m.event("device", "connections busy-poll for %s after each message (--busy-poll)", DefaultBusyPoll)
+			m.host.SetBusyPoll(w)
+			m.event("device", "connections busy-poll for %s after each message (--busy-poll)", w)
 		}
 		m.publish()
 		return

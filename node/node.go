@@ -115,6 +115,18 @@ const BusyPollAuto time.Duration = -1
 // after this long.
 const DefaultBusyPoll = 25 * time.Millisecond
 
+// busyPollWindow is the busy-poll window of a node configured with
+// configured (Config.BusyPoll) whose layers run on a GPU or not.
+func busyPollWindow(configured time.Duration, gpu bool) time.Duration {
+	switch {
+	case configured == BusyPollAuto && gpu:
+		return DefaultBusyPoll
+	case configured < 0:
+		return 0
+	}
+	return configured
+}
+
 // mlxDevice is where this node would run MLX stages ("metal", "emulated"
 // under the test hook), or "" when it cannot.
 func (c Config) mlxDevice() string {
