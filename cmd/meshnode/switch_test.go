@@ -39,11 +39,8 @@ func TestFlashAttnFlag(t *testing.T) {
 		{[]string{"--build-ahead=off", "--flash-attn"}, ggufstage.Off},
 	}
 	for _, tc := range ahead {
-		var f nodeFlags
-		fs := newFlags("serve [flags]", "test", "")
-		fs.SetOutput(io.Discard)
-		f.register(fs)
-		if err := parse(fs, tc.args); err != nil || f.cfg.BuildAhead != tc.want {
+		f, err := parseServe(tc.args)
+		if err != nil || f.cfg.BuildAhead != tc.want {
 			t.Errorf("parse %v: build ahead %v (%v), want %v", tc.args, f.cfg.BuildAhead, err, tc.want)
 		}
 	}
@@ -56,11 +53,7 @@ func TestFlashAttnFlag(t *testing.T) {
 			if len(args) == 2 && args[0] == "--config" {
 				args = []string{"--config", writeFile(t, "m.conf", "flash-attn = true\n")}
 			}
-			var f nodeFlags
-			fs := newFlags("serve [flags]", "test", "")
-			fs.SetOutput(io.Discard)
-			f.register(fs)
-			err := parse(fs, args)
+			f, err := parseServe(args)
 			if (err != nil) != tc.wantErr {
 				t.Fatalf("parse %v: %v", args, err)
 			}
@@ -95,11 +88,7 @@ func TestBusyPollFlag(t *testing.T) {
 			if tc.env != "" {
 				t.Setenv("MESHNODE_BUSY_POLL", tc.env)
 			}
-			var f nodeFlags
-			fs := newFlags("serve [flags]", "test", "")
-			fs.SetOutput(io.Discard)
-			f.register(fs)
-			err := parse(fs, tc.args)
+			f, err := parseServe(tc.args)
 			if (err != nil) != tc.wantErr {
 				t.Fatalf("parse %v: error %v, want error %v", tc.args, err, tc.wantErr)
 			}
@@ -108,4 +97,13 @@ func TestBusyPollFlag(t *testing.T) {
 			}
 		})
 	}
+}
+
+// parseServe parses args as serve's node flags.
+func parseServe(args []string) (*nodeFlags, error) {
+	var f nodeFlags
+	fs := newFlags("serve [flags]", "test", "")
+	fs.SetOutput(io.Discard)
+	f.register(fs)
+	return &f, parse(fs, args)
 }

@@ -16,16 +16,7 @@ import (
 func BenchmarkRoundTrip(b *testing.B) {
 	for _, size := range []int{64, 4 << 10, 16 << 10, 64 << 10} {
 		b.Run(fmt.Sprintf("tcp/%dB", size), func(b *testing.B) {
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer ln.Close()
-			go echo(ln)
-			c, err := net.Dial("tcp", ln.Addr().String())
-			if err != nil {
-				b.Fatal(err)
-			}
+			c := tcpStream(b, echo)
 			defer c.Close()
 			pingPong(b, c, size)
 		})
@@ -52,15 +43,7 @@ func BenchmarkRoundTripAfterPause(b *testing.B) {
 			b.Run(fmt.Sprintf("%s/pause=%v", tc.name, pause), func(b *testing.B) {
 				var c net.Conn
 				if tc.name == "tcp" {
-					ln, err := net.Listen("tcp", "127.0.0.1:0")
-					if err != nil {
-						b.Fatal(err)
-					}
-					defer ln.Close()
-					go echo(ln)
-					if c, err = net.Dial("tcp", ln.Addr().String()); err != nil {
-						b.Fatal(err)
-					}
+					c = tcpStream(b, echo)
 				} else {
 					var hosts []*Host
 					c, hosts = meshStream(b, echo)
@@ -104,6 +87,23 @@ func BenchmarkOneWay(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// tcpStream connects over plain loopback TCP to a server (echo or
+// discard): the reference for the libp2p streams.
+func tcpStream(b testing.TB, serve func(net.Listener)) net.Conn {
+	b.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { ln.Close() })
+	go serve(ln)
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		b.Fatal(err)
+	}
+	return c
 }
 
 // benchStream connects two hosts of one mesh on loopback and opens a
