@@ -3,6 +3,8 @@ package ggufstage
 import (
 	"math"
 	"slices"
+	"sync"
+	"time"
 
 	"github.com/ollama/ollama/ml"
 	"github.com/ollama/ollama/model/input"
@@ -32,6 +34,10 @@ type pass struct {
 	out     ml.Tensor // the graph's result: hidden state, or logits when last
 	first   bool      // in is token ids
 	last    bool      // out is logits
+	// sg is ggml's scheduler and the graph, when this build runs them
+	// directly (direct; see sched_on.go).
+	sg     schedGraph
+	direct bool
 }
 
 // build places rows (seqs at pos, in cache slots) in the KV cache and
@@ -81,6 +87,7 @@ func (e *Engine) build(seqs []stage.SeqID, pos []int32, slots []int, outputs []i
 	}
 	p.out = h
 	p.gctx.Forward(h)
+	p.sg, p.direct = schedGraphOf(p.gctx)
 	return p, nil
 }
 
@@ -156,6 +163,9 @@ func (e *Engine) dropAhead(drop func(*pass) bool) {
 			keep = append(keep, p)
 			continue
 		}
+		if p == e.allocated {
+			e.unallocate()
+		}
 		p.gctx.Close()
 		for i, slot := range p.slots {
 			// Removing to the end never shifts cells, so it cannot fail.
@@ -169,4 +179,92 @@ func (e *Engine) dropAhead(drop func(*pass) bool) {
 // dropAheadOf drops the passes built ahead that hold seq.
 func (e *Engine) dropAheadOf(seq stage.SeqID) {
 	e.dropAhead(func(p *pass) bool { return slices.Contains(p.seqs, seq) })
+}
+
+// kickAllocAhead starts allocAhead in the background when a pass built
+// ahead waits for its input: the stage returns its result first, and the
+// scheduler work happens while the next stages (or the sampler) run.
+// Call with e.mu held.
+func (e *Engine) kickAllocAhead() {
+	if e.allocated != nil || len(e.ahead) == 0 || !e.ahead[0].direct {
+		return
+	}
+	e.prep.Add(1)
+	go func() {
+		defer e.prep.Done()
+		e.allocAhead()
+	}()
+}
+
+// allocAhead splits and allocates, in ggml's scheduler, the pass built
+// ahead that comes next (the oldest: lanes take turns), so that when its
+// input comes only the launch is left. It must not run while a pass
+// computes or before that pass's result is read: allocating may grow the
+// scheduler's buffers and so free the memory the result is in. Forward
+// holds e.mu until then.
+func (e *Engine) allocAhead() {
+	backendMu.RLock()
+	defer backendMu.RUnlock()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.usable() != nil || e.allocated != nil || len(e.ahead) == 0 || !e.ahead[0].direct {
+		return
+	}
+	computeMu.Lock()
+	defer computeMu.Unlock()
+	start := time.Now()
+	if e.ahead[0].sg.alloc() == nil {
+		e.allocated = e.ahead[0]
+	}
+	e.phases.graph.Add(int64(time.Since(start)))
+}
+
+// unallocate drops the scheduler's allocation for a pass built ahead, as
+// anything that may compute other graphs, or free that pass, must first.
+// Call with e.mu held.
+func (e *Engine) unallocate() {
+	if e.allocated != nil {
+		e.allocated.sg.reset()
+		e.allocated = nil
+	}
+}
+
+// floatPool recycles the engine's logits buffers: a pass at 32 rows of a
+// 128K vocabulary returns 16 MB, which fresh from the heap must first be
+// zeroed and later collected.
+type floatPool struct {
+	mu   sync.Mutex
+	free [][]float32
+}
+
+// floatPoolSize: buffers kept; one per pipeline lane in flight is enough.
+const floatPoolSize = 4
+
+// get returns a buffer of n floats and the function that gives it back.
+func (fp *floatPool) get(n int) ([]float32, func()) {
+	fp.mu.Lock()
+	var buf []float32
+	for i := len(fp.free) - 1; i >= 0; i-- {
+		if cap(fp.free[i]) >= n {
+			buf = fp.free[i]
+			fp.free = slices.Delete(fp.free, i, i+1)
+			break
+		}
+	}
+	fp.mu.Unlock()
+	if buf == nil {
+		buf = make([]float32, n)
+	}
+	buf = buf[:n]
+	var once sync.Once
+	return buf, func() {
+		once.Do(func() {
+			fp.mu.Lock()
+			defer fp.mu.Unlock()
+			if len(fp.free) == floatPoolSize {
+				fp.free = fp.free[1:]
+			}
+			fp.free = append(fp.free, buf)
+		})
+	}
 }

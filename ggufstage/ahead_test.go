@@ -142,6 +142,9 @@ func checkBuildAhead(t *testing.T, device string) {
 		}
 		b := batch(st.rows...)
 		got, want := ahead.forward(t, b), plain.forward(t, b)
+		for _, s := range ahead.stages {
+			s.prep.Wait() // the allocation ahead, done as the next stage would run
+		}
 		tol := 0.0
 		if i >= lanes {
 			tol = 1e-4
@@ -150,10 +153,17 @@ func checkBuildAhead(t *testing.T, device string) {
 			t.Fatalf("step %d (%v): logits differ by %g with passes built ahead", i, st.rows, d)
 		}
 	}
-	var hits, passes uint64
+	var hits, passes, allocated uint64
 	for _, s := range ahead.stages {
 		hits += s.Phases().Ahead
 		passes += s.Phases().Passes
+		allocated += s.Phases().Allocated
+	}
+	// In builds that drive ggml's scheduler, every pass built ahead was
+	// also allocated ahead: it was the oldest waiting when its stage went
+	// idle.
+	if want := map[bool]uint64{true: hits, false: 0}[directSched]; allocated != want {
+		t.Errorf("%d passes were allocated ahead, want %d (of %d built ahead)", allocated, want, hits)
 	}
 	// Decode passes that followed a decode pass of the same sequences, in
 	// the same order, with nothing of theirs between: 5+2+2+3+1, then 6

@@ -117,27 +117,38 @@ type Engine struct {
 	// for the batches predicted next, of disjoint sequences.
 	buildsAhead bool
 	ahead       []*pass
+	// allocated is the pass built ahead that ggml's scheduler is already
+	// split and allocated for (see allocAhead), if any.
+	allocated *pass
+	prep      sync.WaitGroup // allocAhead goroutines, waited for by Close
+	// Reused read buffers: hidden is read under mu and copied out by
+	// NewActivation; logits go to the caller and come back by Release.
+	hidden []float32
+	logits floatPool
 }
 
 // Phases is where an engine's forward passes spent their time, summed
 // since it loaded. On a GPU the split tells host overhead (Graph, Launch)
 // from device work (Wait); on a CPU ggml computes inside Launch.
 type Phases struct {
-	Passes uint64
-	Ahead  uint64        // passes that had been built ahead (see pass)
-	Graph  time.Duration // building the graph in Go (the next pass's too, when built ahead while this one computes), placing rows in the KV cache, freeing the context
-	Launch time.Duration // ggml's scheduler: splitting, allocating, copying inputs, queueing the graph
-	Wait   time.Duration // waiting for the backend to finish and reading the result back
+	Passes    uint64
+	Ahead     uint64        // passes that had been built ahead (see pass)
+	Allocated uint64        // passes whose scheduler allocation was done ahead, while the stage waited for them
+	Graph     time.Duration // building the graph in Go (the next pass's too, when built ahead while this one computes), placing rows in the KV cache, freeing the context
+	Alloc     time.Duration // ggml's scheduler splitting the graph over the backends and placing its tensors, when not done ahead
+	Launch    time.Duration // ggml's scheduler: copying inputs, queueing the graph (and splitting and allocating it, in builds that cannot separate that)
+	Wait      time.Duration // waiting for the backend to finish and reading the result back
 }
 
 // phaseClock accumulates Phases without a lock: Phases is read by
 // metrics scrapes while a pass runs.
 type phaseClock struct {
-	passes, ahead, graph, launch, wait atomic.Int64
+	passes, ahead, allocated, graph, alloc, launch, wait atomic.Int64
 }
 
 func (c *phaseClock) read() Phases {
-	return Phases{Passes: uint64(c.passes.Load()), Ahead: uint64(c.ahead.Load()), Graph: time.Duration(c.graph.Load()),
+	return Phases{Passes: uint64(c.passes.Load()), Ahead: uint64(c.ahead.Load()), Allocated: uint64(c.allocated.Load()),
+		Graph: time.Duration(c.graph.Load()), Alloc: time.Duration(c.alloc.Load()),
 		Launch: time.Duration(c.launch.Load()), Wait: time.Duration(c.wait.Load())}
 }
 
@@ -365,20 +376,60 @@ var backendMu sync.RWMutex
 // once on it corrupt each other's results.
 var computeMu sync.Mutex
 
-// compute runs the graph ending in t and reads t back, setting the time
-// it took to queue the graph and the time it waited for the result.
-// While a GPU computes, between runs on the host.
-func compute(gctx ml.Context, t ml.Tensor, launch, wait *time.Duration, between func()) []float32 {
+// passTimes is where one pass's time went, outside building its graph.
+type passTimes struct{ alloc, launch, wait time.Duration }
+
+// compute runs p's graph and reads its result back. While a GPU computes,
+// between runs on the host. The floats are e.hidden's, or a buffer from
+// e.logits that free returns.
+func (e *Engine) compute(p *pass, rows int, between func(), t *passTimes) (floats []float32, free func(), err error) {
 	computeMu.Lock()
 	defer computeMu.Unlock()
+	if !p.direct {
+		start := time.Now()
+		p.gctx.Compute(p.out)
+		t.launch = time.Since(start)
+		between()
+		start = time.Now()
+		floats = p.out.Floats()
+		t.wait = time.Since(start)
+		return floats, nil, nil
+	}
 	start := time.Now()
-	gctx.Compute(t)
-	*launch = time.Since(start)
+	if e.allocated == p {
+		e.phases.allocated.Add(1)
+	} else if err := p.sg.alloc(); err != nil {
+		e.allocated = nil
+		return nil, nil, err
+	}
+	e.allocated = nil
+	t.alloc = time.Since(start)
+	start = time.Now()
+	if err := p.sg.launch(); err != nil {
+		return nil, nil, err
+	}
+	t.launch = time.Since(start)
 	between()
 	start = time.Now()
-	floats := t.Floats()
-	*wait = time.Since(start)
-	return floats
+	var dst []float32
+	switch {
+	case p.last:
+		dst, free = e.logits.get(len(p.outputs) * e.info.Vocab)
+	case !e.info.Last():
+		if n := rows * e.info.Embd; cap(e.hidden) < n {
+			e.hidden = make([]float32, n)
+		}
+		dst = e.hidden[:rows*e.info.Embd]
+	}
+	err = p.sg.read(p.out, dst)
+	t.wait = time.Since(start)
+	if err != nil {
+		if free != nil {
+			free()
+		}
+		return nil, nil, err
+	}
+	return dst, free, nil
 }
 
 // recoverErr turns a panic from ggml or ollama into an error: ggml reports
@@ -431,6 +482,7 @@ func (e *Engine) Trim(seq stage.SeqID, pos int32) (err error) {
 		return err
 	}
 	defer e.breakOnPanic(&err, "trimming cache")
+	e.unallocate()
 	e.dropAheadOf(seq)
 	slot, ok := e.slots[seq]
 	if !ok {
@@ -449,6 +501,7 @@ func (e *Engine) Release(seq stage.SeqID) (err error) {
 		return err
 	}
 	defer e.breakOnPanic(&err, "releasing cache")
+	e.unallocate()
 	e.dropAheadOf(seq)
 	slot, ok := e.slots[seq]
 	if !ok {
@@ -488,7 +541,7 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 	}
 
 	start := time.Now()
-	var launch, wait time.Duration
+	var t passTimes
 	p := e.takeAhead(b, slots)
 	if p == nil {
 		if p, err = e.build(b.Seqs, b.Pos, slots, b.Outputs); err != nil {
@@ -497,14 +550,19 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 	}
 	defer func() {
 		p.gctx.Close()
-		e.phases.graph.Add(int64(time.Since(start) - launch - wait))
+		e.phases.graph.Add(int64(time.Since(start) - t.alloc - t.launch - t.wait))
 		e.phases.passes.Add(1)
 	}()
 	p.fill(b.Tokens, hidden)
 	n, last := b.Rows(), p.last
-	floats := compute(p.gctx, p.out, &launch, &wait, func() { e.buildAhead(b, slots) })
-	e.phases.launch.Add(int64(launch))
-	e.phases.wait.Add(int64(wait))
+	floats, free, err := e.compute(p, n, func() { e.buildAhead(b, slots) }, &t)
+	e.phases.alloc.Add(int64(t.alloc))
+	e.phases.launch.Add(int64(t.launch))
+	e.phases.wait.Add(int64(t.wait))
+	if err != nil {
+		return nil, fmt.Errorf("forward pass: %w", err)
+	}
+	e.kickAllocAhead()
 
 	out = &stage.Output{}
 	switch {
@@ -512,7 +570,7 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 		if len(floats) != len(b.Outputs)*e.info.Vocab {
 			return nil, fmt.Errorf("stage: head produced %d logits, want %d×%d", len(floats), len(b.Outputs), e.info.Vocab)
 		}
-		out.Logits = floats
+		out.Logits, out.Free = floats, free
 	case e.info.Last():
 		// A prefill chunk with no output rows: the cache is filled, nothing to return.
 	default:
@@ -526,8 +584,10 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 // Close frees the engine's memory.
 func (e *Engine) Close() error {
 	backendMu.Lock()
-	defer backendMu.Unlock()
-	return e.close()
+	err := e.close()
+	backendMu.Unlock()
+	e.prep.Wait()
+	return err
 }
 
 func (e *Engine) close() (err error) {
@@ -538,6 +598,7 @@ func (e *Engine) close() (err error) {
 	}
 	e.closed = true
 	defer recoverErr(&err, "closing engine")
+	e.unallocate()
 	for _, p := range e.ahead {
 		p.gctx.Close()
 	}

@@ -214,7 +214,8 @@ func (e *observedEngine) Forward(ctx context.Context, b *stage.Batch) (*stage.Ou
 		now := pe.Phases()
 		last := e.phases
 		e.phases = now
-		e.o.metrics.StagePhases(e.label, now.Ahead-last.Ahead, now.Graph-last.Graph, now.Launch-last.Launch, now.Wait-last.Wait)
+		e.o.metrics.StagePhases(e.label, now.Ahead-last.Ahead, now.Allocated-last.Allocated,
+			now.Graph-last.Graph, now.Alloc-last.Alloc, now.Launch-last.Launch, now.Wait-last.Wait)
 	}
 	e.mu.Unlock()
 	return out, nil

@@ -118,10 +118,27 @@ type Output struct {
 	// Logits is set by the last stage: len(Outputs) rows of Vocab floats,
 	// row-major, in the order of Batch.Outputs.
 	Logits []float32
+	// Free, when set, hands Logits' memory back to the engine for its next
+	// pass; Release calls it. A caller that does not release just leaves
+	// the memory to the garbage collector.
+	Free func()
 }
 
 // LogitsRow returns row i of the logits.
 func (o *Output) LogitsRow(i, vocab int) []float32 { return o.Logits[i*vocab : (i+1)*vocab] }
+
+// Release gives the output's logits back to the engine that wrote them;
+// they must not be read after. It is safe to call on nil and more than once.
+func (o *Output) Release() {
+	if o == nil {
+		return
+	}
+	free := o.Free
+	o.Free, o.Logits = nil, nil
+	if free != nil {
+		free()
+	}
+}
 
 // Engine runs a contiguous range of layers. Implementations serialize their
 // own compute; callers may still prefer a single owning goroutine.

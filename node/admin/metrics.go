@@ -55,6 +55,7 @@ type Metrics struct {
 	stageTokens  *prometheus.CounterVec
 	stagePhase   *prometheus.CounterVec
 	stageAhead   *prometheus.CounterVec
+	stageAlloc   *prometheus.CounterVec
 	peerRTT      *prometheus.HistogramVec
 	hopBytes     *prometheus.CounterVec
 	http         *prometheus.CounterVec
@@ -94,10 +95,12 @@ func NewMetrics(gauges func() Gauges) *Metrics {
 		"Forward passes of this node's stage (its layer range, label stage=\"START-END\"), compute only.",
 		prometheus.ExponentialBucketsRange(0.0001, 30, 18), "stage")
 	m.stagePhase = f.counterVec("meshnode_stage_phase_seconds_total",
-		"Where this node's stage forward passes spent their time: phase=\"graph\" (building it on the host, and the next pass's while this one computes when built ahead), \"launch\" (scheduling and queueing it), \"wait\" (the backend computing, and the read-back).",
+		"Where this node's stage forward passes spent their time: phase=\"graph\" (building it on the host, and the next pass's while this one computes when built ahead), \"alloc\" (the scheduler splitting and allocating it, when not done ahead), \"launch\" (copying inputs and queueing it), \"wait\" (the backend computing, and the read-back).",
 		"stage", "phase")
 	m.stageAhead = f.counterVec("meshnode_stage_passes_built_ahead_total",
 		"Forward passes of this node's stage whose graph was built while the previous pass computed (GPU stages, steady decoding).", "stage")
+	m.stageAlloc = f.counterVec("meshnode_stage_passes_allocated_ahead_total",
+		"Forward passes of this node's stage whose graph the scheduler had split and allocated while the stage waited for its input.", "stage")
 	m.stageTokens = f.counterVec("meshnode_stage_tokens_total", "Token rows that went through this node's stage.", "stage", "kind")
 	m.peerRTT = f.histogramVec("meshnode_hop_rtt_seconds",
 		"Round trips to each peer (libp2p ping), label peer=peer ID; a pipeline hop's latency is the RTT between its two nodes.",
@@ -163,9 +166,11 @@ func (m *Metrics) StageForward(stage string, d time.Duration, rows, outputs int)
 
 // StagePhases adds time that this node's stage spent in each phase of its
 // forward passes, and how many of them had been built ahead.
-func (m *Metrics) StagePhases(stage string, ahead uint64, graph, launch, wait time.Duration) {
+func (m *Metrics) StagePhases(stage string, ahead, allocated uint64, graph, alloc, launch, wait time.Duration) {
 	m.stageAhead.WithLabelValues(stage).Add(float64(ahead))
+	m.stageAlloc.WithLabelValues(stage).Add(float64(allocated))
 	m.stagePhase.WithLabelValues(stage, "graph").Add(graph.Seconds())
+	m.stagePhase.WithLabelValues(stage, "alloc").Add(alloc.Seconds())
 	m.stagePhase.WithLabelValues(stage, "launch").Add(launch.Seconds())
 	m.stagePhase.WithLabelValues(stage, "wait").Add(wait.Seconds())
 }

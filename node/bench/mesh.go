@@ -435,10 +435,12 @@ func millis(d time.Duration) string {
 
 // StageTime is a node's mean stage forward pass, and the part of it spent
 // in each phase (zero where the engine does not report phases): building
-// the graph on the host, launching it, and waiting for the backend.
+// the graph on the host, the scheduler allocating it, launching it, and
+// waiting for the backend.
 type StageTime struct {
-	Total, Graph, Launch, Wait time.Duration
-	Ahead                      float64 // the share of passes built ahead
+	Total, Graph, Alloc, Launch, Wait time.Duration
+	Ahead                             float64 // the share of passes built ahead
+	Allocated                         float64 // the share of passes allocated ahead
 }
 
 // stepText says where a step went: each stage's compute, then the rest.
@@ -455,15 +457,19 @@ func stepText(step time.Duration, compute []StageTime) string {
 	return fmt.Sprintf("%s, rest %.3f", strings.Join(parts, " + "), rest.Seconds()*1e3)
 }
 
-// phaseText splits each stage's pass into its phases, graph/launch/wait.
+// phaseText splits each stage's pass into its phases,
+// graph/alloc/launch/wait.
 func phaseText(compute []StageTime) string {
 	var parts []string
 	for _, c := range compute {
-		if c.Graph+c.Launch+c.Wait <= 0 {
+		if c.Graph+c.Alloc+c.Launch+c.Wait <= 0 {
 			return ""
 		}
-		p := fmt.Sprintf("%s/%s/%s", millis(c.Graph), millis(c.Launch), millis(c.Wait))
-		if c.Ahead > 0 {
+		p := fmt.Sprintf("%s/%s/%s/%s", millis(c.Graph), millis(c.Alloc), millis(c.Launch), millis(c.Wait))
+		switch {
+		case c.Ahead > 0 && c.Allocated > 0:
+			p += fmt.Sprintf(" (%.0f%% ahead, %.0f%% allocated)", 100*c.Ahead, 100*c.Allocated)
+		case c.Ahead > 0:
 			p += fmt.Sprintf(" (%.0f%% ahead)", 100*c.Ahead)
 		}
 		parts = append(parts, p)
@@ -482,6 +488,7 @@ const (
 	metricStage  = "meshnode_stage_compute_seconds"
 	metricPhases = "meshnode_stage_phase_seconds_total"
 	metricAhead  = "meshnode_stage_passes_built_ahead_total"
+	metricAlloc  = "meshnode_stage_passes_allocated_ahead_total"
 )
 
 // timings reads every node's step and stage-compute histograms; a node
@@ -524,12 +531,14 @@ func parseSums(r io.Reader) sums {
 		}
 		s[name] = e
 	}
-	if fam, ok := fams[metricAhead]; ok {
-		var e [2]float64
-		for _, m := range fam.GetMetric() {
-			e[0] += m.GetCounter().GetValue()
+	for _, name := range []string{metricAhead, metricAlloc} {
+		if fam, ok := fams[name]; ok {
+			var e [2]float64
+			for _, m := range fam.GetMetric() {
+				e[0] += m.GetCounter().GetValue()
+			}
+			s[name] = e
 		}
-		s[metricAhead] = e
 	}
 	if fam, ok := fams[metricPhases]; ok {
 		for _, m := range fam.GetMetric() {
@@ -565,11 +574,13 @@ func breakdown(before, after []sums) (step time.Duration, compute []StageTime) {
 	step = secs(per(0, metricStep, metricStep))
 	for i := range after {
 		compute = append(compute, StageTime{
-			Total:  secs(per(i, metricStage, metricStage)),
-			Graph:  secs(per(i, metricPhases+"/graph", metricStage)),
-			Launch: secs(per(i, metricPhases+"/launch", metricStage)),
-			Wait:   secs(per(i, metricPhases+"/wait", metricStage)),
-			Ahead:  per(i, metricAhead, metricStage),
+			Total:     secs(per(i, metricStage, metricStage)),
+			Graph:     secs(per(i, metricPhases+"/graph", metricStage)),
+			Alloc:     secs(per(i, metricPhases+"/alloc", metricStage)),
+			Launch:    secs(per(i, metricPhases+"/launch", metricStage)),
+			Wait:      secs(per(i, metricPhases+"/wait", metricStage)),
+			Ahead:     per(i, metricAhead, metricStage),
+			Allocated: per(i, metricAlloc, metricStage),
 		})
 	}
 	return step, compute
@@ -1255,7 +1266,7 @@ func PrintMesh(w io.Writer, rows []MeshRow) {
 			continue
 		}
 		if !header {
-			fmt.Fprintf(w, "\n%-14s %6s %7s  %s\n", "network", "stages", "streams", "stage pass ms: graph/launch/wait (host builds the graph / ggml queues it / waits for the backend)")
+			fmt.Fprintf(w, "\n%-14s %6s %7s  %s\n", "network", "stages", "streams", "stage pass ms: graph/alloc/launch/wait (host builds the graph / ggml's scheduler allocates it / queues it / waits for the backend)")
 			header = true
 		}
 		fmt.Fprintf(w, "%-14s %6d %7d  %s\n", r.Network, r.Stages, r.Streams, p)

@@ -184,11 +184,14 @@ meshnode_stage_tokens_total{stage="0-2",kind="input"} 12
 		if phases != nil {
 			s += fmt.Sprintf(`# TYPE meshnode_stage_phase_seconds_total counter
 meshnode_stage_phase_seconds_total{stage="0-2",phase="graph"} %g
+meshnode_stage_phase_seconds_total{stage="0-2",phase="alloc"} %g
 meshnode_stage_phase_seconds_total{stage="0-2",phase="launch"} %g
 meshnode_stage_phase_seconds_total{stage="0-2",phase="wait"} %g
 # TYPE meshnode_stage_passes_built_ahead_total counter
 meshnode_stage_passes_built_ahead_total{stage="0-2"} %g
-`, phases[0], phases[1], phases[2], phases[3])
+# TYPE meshnode_stage_passes_allocated_ahead_total counter
+meshnode_stage_passes_allocated_ahead_total{stage="0-2"} %g
+`, phases[0], phases[1], phases[2], phases[3], phases[4], phases[5])
 		}
 		return s
 	}
@@ -207,16 +210,19 @@ meshnode_stage_passes_built_ahead_total{stage="0-2"} %g
 			compute: []StageTime{{Total: time.Millisecond}, {Total: 2 * time.Millisecond}},
 		},
 		{
-			name:    "phases",
-			before:  []string{scrape(1, 10, 0.5, 10, []float64{0.1, 0.2, 0.3, 5}), scrape(0, 0, 0.2, 10, []float64{1, 1, 1, 0})},
-			after:   []string{scrape(1.5, 110, 0.6, 110, []float64{0.11, 0.23, 0.36, 95}), scrape(0, 0, 0.4, 110, []float64{1.1, 1.05, 1.05, 0})},
-			step:    5 * time.Millisecond,
-			compute: []StageTime{{Total: ms(1), Graph: ms(0.1), Launch: ms(0.3), Wait: ms(0.6), Ahead: 0.9}, {Total: ms(2), Graph: ms(1), Launch: ms(0.5), Wait: ms(0.5)}},
+			name:   "phases",
+			before: []string{scrape(1, 10, 0.5, 10, []float64{0.1, 0.01, 0.2, 0.3, 5, 4}), scrape(0, 0, 0.2, 10, []float64{1, 1, 1, 1, 0, 0})},
+			after:  []string{scrape(1.5, 110, 0.6, 110, []float64{0.11, 0.012, 0.23, 0.36, 95, 84}), scrape(0, 0, 0.4, 110, []float64{1.1, 1.02, 1.05, 1.05, 0, 0})},
+			step:   5 * time.Millisecond,
+			compute: []StageTime{
+				{Total: ms(1), Graph: ms(0.1), Alloc: ms(0.02), Launch: ms(0.3), Wait: ms(0.6), Ahead: 0.9, Allocated: 0.8},
+				{Total: ms(2), Graph: ms(1), Alloc: ms(0.2), Launch: ms(0.5), Wait: ms(0.5)},
+			},
 		},
 		{
 			name:    "no passes between the readings",
-			before:  []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3, 4})},
-			after:   []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3, 4})},
+			before:  []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3, 4, 5, 6})},
+			after:   []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3, 4, 5, 6})},
 			compute: []StageTime{{}},
 		},
 		{
@@ -243,17 +249,18 @@ meshnode_stage_passes_built_ahead_total{stage="0-2"} %g
 			}
 			for i, c := range compute {
 				w := tc.compute[i]
-				if !near(c.Total, w.Total) || !near(c.Graph, w.Graph) || !near(c.Launch, w.Launch) || !near(c.Wait, w.Wait) || math.Abs(c.Ahead-w.Ahead) > 1e-9 {
+				if !near(c.Total, w.Total) || !near(c.Graph, w.Graph) || !near(c.Alloc, w.Alloc) || !near(c.Launch, w.Launch) || !near(c.Wait, w.Wait) ||
+					math.Abs(c.Ahead-w.Ahead) > 1e-9 || math.Abs(c.Allocated-w.Allocated) > 1e-9 {
 					t.Fatalf("compute %+v, want %+v", compute, tc.compute)
 				}
 			}
 		})
 	}
-	two := []StageTime{{Total: ms(1), Graph: ms(0.25), Launch: ms(0.25), Wait: ms(0.5), Ahead: 0.5}, {Total: ms(2), Graph: ms(0.5), Launch: ms(0.5), Wait: ms(1)}}
+	two := []StageTime{{Total: ms(1), Graph: ms(0.25), Launch: ms(0.25), Wait: ms(0.5), Ahead: 0.5}, {Total: ms(2), Graph: ms(0.5), Alloc: ms(0.1), Launch: ms(0.4), Wait: ms(1), Ahead: 1, Allocated: 0.98}}
 	if got := stepText(5*time.Millisecond, two); got != "1.000 + 2.000, rest 2.000" {
 		t.Fatalf("stepText = %q", got)
 	}
-	if got := phaseText(two); got != "0.250/0.250/0.500 (50% ahead) + 0.500/0.500/1.000" {
+	if got := phaseText(two); got != "0.250/-/0.250/0.500 (50% ahead) + 0.500/0.100/0.400/1.000 (100% ahead, 98% allocated)" {
 		t.Fatalf("phaseText = %q", got)
 	}
 	if got := phaseText([]StageTime{{Total: ms(1)}}); got != "" {

@@ -431,6 +431,7 @@ func (l *link) run(step uint64, b *stage.Batch) error {
 // sample picks each output row's next token with its sequence's sampler
 // and sends the tokens (and, if asked, the logits) to the origin.
 func (l *link) sample(step uint64, b *stage.Batch, out *stage.Output) error {
+	defer out.Release()
 	for r, q := range b.Seqs {
 		l.seqs[q].record(b.Pos[r], b.Tokens[r])
 	}

@@ -39,6 +39,7 @@ func (l *local) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
 	if err != nil {
 		return nil, err
 	}
+	defer out.Release()
 	vocab := l.e.Info().Vocab
 	if len(out.Logits) != len(b.Outputs)*vocab {
 		return nil, fmt.Errorf("engine returned %d logits for %d rows", len(out.Logits), len(b.Outputs))

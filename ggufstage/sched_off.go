@@ -1,0 +1,27 @@
+//go:build !repack || !cgo
+
+package ggufstage
+
+import (
+	"errors"
+	"unsafe"
+
+	"github.com/ollama/ollama/ml"
+)
+
+// directSched: without ggml's headers this build computes through
+// ollama's Context.Compute and Tensor.Floats (see sched_on.go).
+const directSched = false
+
+type schedGraph struct {
+	sched, graph unsafe.Pointer
+}
+
+func schedGraphOf(ml.Context) (schedGraph, bool) { return schedGraph{}, false }
+
+var errNoSched = errors.New("ggml scheduler: not in this build")
+
+func (schedGraph) alloc() error                    { return errNoSched }
+func (schedGraph) launch() error                   { return errNoSched }
+func (schedGraph) reset()                          {}
+func (schedGraph) read(ml.Tensor, []float32) error { return errNoSched }
