@@ -1,6 +1,7 @@
 package ggufstage
 
 import (
+	"errors"
 	"math"
 	"slices"
 	"sync"
@@ -38,6 +39,13 @@ type pass struct {
 	// directly (direct; see sched_on.go).
 	sg     schedGraph
 	direct bool
+	// placed: the scheduler has allocated the graph, which gave its
+	// tensors their addresses. ggml places a tensor only once (it skips
+	// tensors that have data), so a graph must not be allocated again:
+	// after another graph's allocation, its addresses may lie in freed
+	// memory. A pass allocated ahead whose allocation another pass took
+	// over is rebuilt (see takeAhead).
+	placed bool
 }
 
 // build places rows (seqs at pos, in cache slots) in the KV cache and
@@ -117,6 +125,12 @@ const maxAhead = 4
 func (e *Engine) takeAhead(b *stage.Batch, slots []int) *pass {
 	for i, p := range e.ahead {
 		if p.matches(b, slots) {
+			if p.placed && p != e.allocated {
+				// Allocated ahead, then the scheduler allocated another
+				// graph: its tensor addresses are stale. Build it anew.
+				e.dropAhead(func(q *pass) bool { return q == p })
+				break
+			}
 			e.ahead = slices.Delete(e.ahead, i, i+1)
 			e.phases.ahead.Add(1)
 			return p
@@ -186,7 +200,7 @@ func (e *Engine) dropAheadOf(seq stage.SeqID) {
 // scheduler work happens while the next stages (or the sampler) run.
 // Call with e.mu held.
 func (e *Engine) kickAllocAhead() {
-	if e.allocated != nil || len(e.ahead) == 0 || !e.ahead[0].direct {
+	if testNoAllocAhead || e.allocated != nil || len(e.ahead) == 0 || !e.ahead[0].direct {
 		return
 	}
 	e.prep.Add(1)
@@ -210,13 +224,45 @@ func (e *Engine) allocAhead() {
 	if e.usable() != nil || e.allocated != nil || len(e.ahead) == 0 || !e.ahead[0].direct {
 		return
 	}
+	start := time.Now()
+	defer func() { e.phases.graph.Add(int64(time.Since(start))) }()
+	p := e.ahead[0]
+	if p.placed {
+		// Allocated ahead before, and another pass's allocation took
+		// over: rebuild it now, while the stage is idle.
+		e.dropAhead(func(q *pass) bool { return q == p })
+		np, err := e.build(p.seqs, p.pos, p.slots, p.outputs)
+		if err != nil {
+			return
+		}
+		e.ahead = slices.Insert(e.ahead, 0, np)
+		p = np
+	}
 	computeMu.Lock()
 	defer computeMu.Unlock()
-	start := time.Now()
-	if e.ahead[0].sg.alloc() == nil {
-		e.allocated = e.ahead[0]
+	if e.place(p) == nil {
+		e.allocated = p
 	}
-	e.phases.graph.Add(int64(time.Since(start)))
+}
+
+// testNoAllocAhead keeps allocAhead from running, as when a stage's next
+// input comes before its goroutine does.
+var testNoAllocAhead bool
+
+// errPlacedTwice: a bug, caught before it corrupts memory (see pass.placed).
+var errPlacedTwice = errors.New("ggufstage: a pass's graph was allocated twice")
+
+// place has the scheduler split and allocate p's graph; at most once.
+// Call with computeMu held.
+func (e *Engine) place(p *pass) error {
+	if p.placed {
+		return errPlacedTwice
+	}
+	if err := p.sg.alloc(); err != nil {
+		return err
+	}
+	p.placed = true
+	return nil
 }
 
 // unallocate drops the scheduler's allocation for a pass built ahead, as

@@ -172,3 +172,49 @@ func checkBuildAhead(t *testing.T, device string) {
 		t.Errorf("%d of %d passes were built ahead, want %d", hits, passes, want)
 	}
 }
+
+// TestAllocAheadTakenOver: a pass allocated ahead whose allocation another
+// pass then took over (a different sequence came first) must be rebuilt,
+// not allocated again: ggml keeps a tensor's first address, which the
+// other allocation may have freed (on a GPU, an illegal memory access).
+// allocAhead is kept from running, so the stale pass reaches Forward.
+func TestAllocAheadTakenOver(t *testing.T) {
+	if !directSched {
+		t.Skip("this build computes through ollama's Context.Compute, which allocates each graph once")
+	}
+	opts := Options{Threads: 1, MaxSeqs: 2, Context: 64, Device: "cpu", BuildAhead: On}
+	ahead := openSplit(t, storiesPath, []int{0, 5}, opts)
+	defer ahead.close()
+	opts.BuildAhead = Off
+	plain := openSplit(t, storiesPath, []int{0, 5}, opts)
+	defer plain.close()
+	e := ahead.stages[0]
+	for _, p := range []*pipeline{ahead, plain} {
+		p.open(t, 1, 2)
+	}
+	one := func(seq stage.SeqID, pos, tok int32) stage.Batch {
+		return stage.Batch{Seqs: []stage.SeqID{seq}, Pos: []int32{pos}, Tokens: []int32{tok}, Outputs: []int{0}}
+	}
+	steps := []struct {
+		b    stage.Batch
+		prep bool // let allocAhead run after the pass
+	}{
+		{one(1, 0, 5), true},  // allocates (1, 1) ahead
+		{one(2, 0, 9), false}, // allocated in its turn: (1, 1) is stale
+		{one(1, 1, 7), true},  // built ahead but stale: rebuilt
+		{one(2, 1, 11), true}, // built and allocated ahead
+		{one(1, 2, 13), true}, // built and allocated ahead
+	}
+	defer func() { testNoAllocAhead = false }()
+	for i, st := range steps {
+		testNoAllocAhead = !st.prep
+		got, want := ahead.forward(t, st.b), plain.forward(t, st.b)
+		e.prep.Wait()
+		if d := maxAbsDiff(got, want); d > 1e-4 || argmax(got) != argmax(want) {
+			t.Fatalf("step %d: logits differ by %g", i, d)
+		}
+	}
+	if ph := e.Phases(); ph.Ahead != 2 || ph.Allocated != 2 {
+		t.Errorf("%d passes built ahead and %d allocated ahead, want 2 and 2", ph.Ahead, ph.Allocated)
+	}
+}

@@ -398,7 +398,7 @@ func (e *Engine) compute(p *pass, rows int, between func(), t *passTimes) (float
 	start := time.Now()
 	if e.allocated == p {
 		e.phases.allocated.Add(1)
-	} else if err := p.sg.alloc(); err != nil {
+	} else if err := e.place(p); err != nil {
 		e.allocated = nil
 		return nil, nil, err
 	}

@@ -256,7 +256,7 @@ func TestRepackedMatchesPlain(t *testing.T) {
 				t.Logf("%d tensors repacked; logits bit-identical: %v", done, identical)
 				// meshnode's Q4_0 kernel sums the same integers as ggml's
 				// repacked one, from identically quantized activations.
-				if own := fast.stages[0].extra.(*repacker).own; own > 0 {
+				if r := fast.stages[0].extra.(*repacker); r != nil && r.own > 0 {
 					useX16 = false
 					defer func() { useX16 = true }()
 					ggmlFast := openSplit(t, src, []int{0, 3}, tinyOpts)
@@ -266,7 +266,7 @@ func TestRepackedMatchesPlain(t *testing.T) {
 					}
 					ref := runScenario(t, ggmlFast, synthScenario)
 					rel := relErr(got, ref)
-					t.Logf("%d tensors in meshnode's X16 layout: ‖x16 − ggml‖/‖ggml‖ = %.3g", own, rel)
+					t.Logf("%d tensors in meshnode's X16 layout: ‖x16 − ggml‖/‖ggml‖ = %.3g", r.own, rel)
 					if !(rel <= x16Bound*10) {
 						t.Errorf("X16 logits differ from ggml's by %.3g relative, over %g", rel, x16Bound*10)
 					}
