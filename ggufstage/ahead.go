@@ -221,6 +221,13 @@ func (e *Engine) allocAhead() {
 	defer backendMu.RUnlock()
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	// A panic here (ollama's, building the pass) must not end the
+	// process: it breaks the engine, and the next call reports it.
+	var err error
+	defer e.breakOnPanic(&err, "allocating the next pass ahead")
+	if testAllocAheadPanic != nil {
+		testAllocAheadPanic()
+	}
 	if e.usable() != nil || e.allocated != nil || len(e.ahead) == 0 || !e.ahead[0].direct {
 		return
 	}
@@ -246,8 +253,12 @@ func (e *Engine) allocAhead() {
 }
 
 // testNoAllocAhead keeps allocAhead from running, as when a stage's next
-// input comes before its goroutine does.
-var testNoAllocAhead bool
+// input comes before its goroutine does; testAllocAheadPanic, when set, is
+// called where allocAhead builds.
+var (
+	testNoAllocAhead    bool
+	testAllocAheadPanic func()
+)
 
 // errPlacedTwice: a bug, caught before it corrupts memory (see pass.placed).
 var errPlacedTwice = errors.New("ggufstage: a pass's graph was allocated twice")

@@ -1,6 +1,9 @@
 package ggufstage
 
 import (
+	"context"
+	"errors"
+	"strings"
 	"testing"
 
 	"github.com/meshnode/meshnode/stage"
@@ -216,5 +219,36 @@ func TestAllocAheadTakenOver(t *testing.T) {
 	}
 	if ph := e.Phases(); ph.Ahead != 2 || ph.Allocated != 2 {
 		t.Errorf("%d passes built ahead and %d allocated ahead, want 2 and 2", ph.Ahead, ph.Allocated)
+	}
+}
+
+// TestAllocAheadPanic: a panic in the goroutine that allocates ahead
+// breaks the engine, which says so on the next call, and the process
+// goes on.
+func TestAllocAheadPanic(t *testing.T) {
+	opts := Options{Threads: 1, MaxSeqs: 1, Context: 64, Device: "cpu", BuildAhead: On}
+	p := openSplit(t, storiesPath, []int{0, 5}, opts)
+	defer p.close()
+	p.open(t, 1)
+	e := p.stages[0]
+	testAllocAheadPanic = func() { panic("boom") }
+	defer func() { testAllocAheadPanic = nil }()
+	b := stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{0}, Tokens: []int32{1}, Outputs: []int{0}}
+	if _, err := e.Forward(context.Background(), &b); err != nil {
+		t.Fatal(err)
+	}
+	e.prep.Wait()
+	if !directSched {
+		if e.Broken() != nil {
+			t.Fatal("the engine broke in a build that does not allocate ahead")
+		}
+		return
+	}
+	if err := e.Broken(); !errors.Is(err, ErrBroken) || !strings.Contains(err.Error(), "boom") {
+		t.Fatalf("Broken() = %v, want ErrBroken with the panic", err)
+	}
+	b.Pos[0], b.Tokens[0] = 1, 2
+	if _, err := e.Forward(context.Background(), &b); !errors.Is(err, ErrBroken) {
+		t.Fatalf("Forward after the panic: %v, want ErrBroken", err)
 	}
 }
