@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/ollama/ollama/ml"
 	"github.com/ollama/ollama/model/input"
@@ -46,12 +47,75 @@ type pass struct {
 	// memory. A pass allocated ahead whose allocation another pass took
 	// over is rebuilt (see takeAhead).
 	placed bool
+	lane   int // the scheduler it runs on, an index into Engine.lanes
+}
+
+// A lane is a scheduler of ggml's that passes run on. ggml's CUDA backend
+// keeps one CUDA graph per backend instance and stops using graphs for
+// good after four passes in a row that each needed a new one, which is
+// what pipeline lanes taking turns on one scheduler do: their passes hold
+// different sequences, so their graphs differ. With DecodeGraphs, a decode
+// pass built afresh takes a lane no pass built ahead holds (a new one, up
+// to maxAhead, on new backend instances sharing the weights), and the
+// passes built ahead from it keep to it; every other pass runs on lane 0,
+// ollama's own scheduler.
+type lane struct {
+	sched     unsafe.Pointer
+	clone     *schedClone // nil for lane 0
+	allocated *pass       // the pass built ahead the scheduler is allocated for (see allocAhead)
+}
+
+// maxGraphRows: decode passes of up to this many rows are hinted to ggml
+// as batch size 1 with DecodeGraphs, so that they replay a CUDA graph.
+const maxGraphRows = 32
+
+// decodeShaped reports whether a batch is a decode pass: one row per
+// sequence, every row an output.
+func decodeShaped(slots, outputs []int) bool {
+	if len(outputs) != len(slots) {
+		return false
+	}
+	seen := make(map[int]bool, len(slots))
+	for _, s := range slots {
+		if seen[s] {
+			return false
+		}
+		seen[s] = true
+	}
+	return true
+}
+
+// laneFor picks the lane of a pass built afresh for b (see lane).
+// Call with e.mu held.
+func (e *Engine) laneFor(b *stage.Batch, slots []int) int {
+	if !e.decodeGraphs || len(e.lanes) == 0 || !decodeShaped(slots, b.Outputs) {
+		return 0
+	}
+	held := make([]bool, len(e.lanes))
+	for _, p := range e.ahead {
+		held[p.lane] = true
+	}
+	for i, h := range held {
+		if !h {
+			return i
+		}
+	}
+	if len(e.lanes) < maxAhead {
+		computeMu.Lock()
+		c, err := cloneSched(e.backend)
+		computeMu.Unlock()
+		if err == nil {
+			e.lanes = append(e.lanes, &lane{sched: c.sched, clone: c})
+			return len(e.lanes) - 1
+		}
+	}
+	return 0
 }
 
 // build places rows (seqs at pos, in cache slots) in the KV cache and
 // builds their graph, its input not yet written. If the cache has no room,
 // it returns the error with the cache as it was.
-func (e *Engine) build(seqs []stage.SeqID, pos []int32, slots []int, outputs []int) (*pass, error) {
+func (e *Engine) build(seqs []stage.SeqID, pos []int32, slots []int, outputs []int, lane int) (*pass, error) {
 	n := len(seqs)
 	p := &pass{
 		gctx: e.backend.NewContext(), seqs: slices.Clone(seqs), pos: slices.Clone(pos), slots: slices.Clone(slots),
@@ -96,6 +160,14 @@ func (e *Engine) build(seqs []stage.SeqID, pos []int32, slots []int, outputs []i
 	p.out = h
 	p.gctx.Forward(h)
 	p.sg, p.direct = schedGraphOf(p.gctx)
+	p.direct = p.direct && lane < len(e.lanes)
+	if p.direct {
+		p.lane = lane
+		p.sg.sched = e.lanes[lane].sched
+		if e.decodeGraphs && n <= maxGraphRows && decodeShaped(slots, outputs) {
+			p.sg.batch = 1
+		}
+	}
 	return p, nil
 }
 
@@ -125,7 +197,7 @@ const maxAhead = 4
 func (e *Engine) takeAhead(b *stage.Batch, slots []int) *pass {
 	for i, p := range e.ahead {
 		if p.matches(b, slots) {
-			if p.placed && p != e.allocated {
+			if p.placed && e.lanes[p.lane].allocated != p {
 				// Allocated ahead, then the scheduler allocated another
 				// graph: its tensor addresses are stale. Build it anew.
 				e.dropAhead(func(q *pass) bool { return q == p })
@@ -146,7 +218,7 @@ func (e *Engine) takeAhead(b *stage.Batch, slots []int) *pass {
 // pass (one row per sequence) and the engine builds ahead. A prediction
 // that cannot be placed (the context or the cache is full) is skipped.
 // Call with e.mu held, after takeAhead.
-func (e *Engine) buildAhead(b *stage.Batch, slots []int) {
+func (e *Engine) buildAhead(b *stage.Batch, slots []int, lane int) {
 	if !e.buildsAhead || len(b.Seqs) == 0 {
 		return
 	}
@@ -161,7 +233,7 @@ func (e *Engine) buildAhead(b *stage.Batch, slots []int) {
 		oldest := e.ahead[0]
 		e.dropAhead(func(p *pass) bool { return p == oldest })
 	}
-	if p, err := e.build(b.Seqs, next, slots, b.Outputs); err == nil {
+	if p, err := e.build(b.Seqs, next, slots, b.Outputs, lane); err == nil {
 		e.ahead = append(e.ahead, p)
 	}
 }
@@ -177,8 +249,9 @@ func (e *Engine) dropAhead(drop func(*pass) bool) {
 			keep = append(keep, p)
 			continue
 		}
-		if p == e.allocated {
-			e.unallocate()
+		if p.direct && e.lanes[p.lane].allocated == p {
+			e.lanes[p.lane].allocated = nil
+			p.sg.reset()
 		}
 		p.gctx.Close()
 		for i, slot := range p.slots {
@@ -200,7 +273,7 @@ func (e *Engine) dropAheadOf(seq stage.SeqID) {
 // scheduler work happens while the next stages (or the sampler) run.
 // Call with e.mu held.
 func (e *Engine) kickAllocAhead() {
-	if testNoAllocAhead || e.allocated != nil || len(e.ahead) == 0 || !e.ahead[0].direct {
+	if testNoAllocAhead || e.nextToAllocate() < 0 {
 		return
 	}
 	e.prep.Add(1)
@@ -210,12 +283,23 @@ func (e *Engine) kickAllocAhead() {
 	}()
 }
 
-// allocAhead splits and allocates, in ggml's scheduler, the pass built
-// ahead that comes next (the oldest: lanes take turns), so that when its
-// input comes only the launch is left. It must not run while a pass
-// computes or before that pass's result is read: allocating may grow the
-// scheduler's buffers and so free the memory the result is in. Forward
-// holds e.mu until then.
+// nextToAllocate returns the index in e.ahead of the oldest pass built
+// ahead whose lane's scheduler is free (lanes take turns, so the oldest
+// comes first), or -1.
+func (e *Engine) nextToAllocate() int {
+	for i, p := range e.ahead {
+		if p.direct && e.lanes[p.lane].allocated == nil {
+			return i
+		}
+	}
+	return -1
+}
+
+// allocAhead splits and allocates, in ggml's schedulers, the passes built
+// ahead that come next, one per lane, so that when their input comes only
+// the launch is left. It must not run while a pass computes or before that
+// pass's result is read: allocating may grow the scheduler's buffers and so
+// free the memory the result is in. Forward holds e.mu until then.
 func (e *Engine) allocAhead() {
 	backendMu.RLock()
 	defer backendMu.RUnlock()
@@ -228,27 +312,35 @@ func (e *Engine) allocAhead() {
 	if testAllocAheadPanic != nil {
 		testAllocAheadPanic()
 	}
-	if e.usable() != nil || e.allocated != nil || len(e.ahead) == 0 || !e.ahead[0].direct {
+	if e.usable() != nil {
 		return
 	}
 	start := time.Now()
 	defer func() { e.phases.graph.Add(int64(time.Since(start))) }()
-	p := e.ahead[0]
-	if p.placed {
-		// Allocated ahead before, and another pass's allocation took
-		// over: rebuild it now, while the stage is idle.
-		e.dropAhead(func(q *pass) bool { return q == p })
-		np, err := e.build(p.seqs, p.pos, p.slots, p.outputs)
+	for {
+		i := e.nextToAllocate()
+		if i < 0 {
+			return
+		}
+		p := e.ahead[i]
+		if p.placed {
+			// Allocated ahead before, and another pass's allocation took
+			// over: rebuild it now, while the stage is idle.
+			e.dropAhead(func(q *pass) bool { return q == p })
+			np, err := e.build(p.seqs, p.pos, p.slots, p.outputs, p.lane)
+			if err != nil {
+				continue
+			}
+			e.ahead = slices.Insert(e.ahead, i, np)
+			p = np
+		}
+		computeMu.Lock()
+		err := e.place(p)
+		computeMu.Unlock()
 		if err != nil {
 			return
 		}
-		e.ahead = slices.Insert(e.ahead, 0, np)
-		p = np
-	}
-	computeMu.Lock()
-	defer computeMu.Unlock()
-	if e.place(p) == nil {
-		e.allocated = p
+		e.lanes[p.lane].allocated = p
 	}
 }
 
@@ -276,13 +368,15 @@ func (e *Engine) place(p *pass) error {
 	return nil
 }
 
-// unallocate drops the scheduler's allocation for a pass built ahead, as
-// anything that may compute other graphs, or free that pass, must first.
-// Call with e.mu held.
+// unallocate drops the schedulers' allocations for passes built ahead, as
+// anything that may compute other graphs, or free those passes, must
+// first. Call with e.mu held.
 func (e *Engine) unallocate() {
-	if e.allocated != nil {
-		e.allocated.sg.reset()
-		e.allocated = nil
+	for _, l := range e.lanes {
+		if l.allocated != nil {
+			l.allocated.sg.reset()
+			l.allocated = nil
+		}
 	}
 }
 

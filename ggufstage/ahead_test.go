@@ -26,22 +26,24 @@ func TestBuildAhead(t *testing.T) {
 		t.Error("a CPU engine builds ahead by default: it has no idle host time to hide the work in")
 	}
 	e.Close()
-	checkBuildAhead(t, "cpu")
+	t.Run("one scheduler", func(t *testing.T) { checkBuildAhead(t, "cpu", Off) })
+	t.Run("a scheduler per lane", func(t *testing.T) { checkBuildAhead(t, "cpu", On) })
 }
 
 // TestGPUBuildAhead is TestBuildAhead on a GPU, where engines build ahead
 // by default; CI machines have no GPU, so there it says so and skips.
 func TestGPUBuildAhead(t *testing.T) {
 	needGPU(t)
-	checkBuildAhead(t, "auto")
+	t.Run("one scheduler", func(t *testing.T) { checkBuildAhead(t, "auto", Off) })
+	t.Run("a scheduler per lane", func(t *testing.T) { checkBuildAhead(t, "auto", On) })
 }
 
-func checkBuildAhead(t *testing.T, device string) {
-	opts := Options{Threads: 2, MaxSeqs: 3, Context: 128, Device: device, BuildAhead: On}
+func checkBuildAhead(t *testing.T, device string, perLane Switch) {
+	opts := Options{Threads: 2, MaxSeqs: 3, Context: 128, Device: device, BuildAhead: On, DecodeGraphs: perLane}
 	bounds := []int{0, 2, 5}
 	ahead := openSplit(t, storiesPath, bounds, opts)
 	defer ahead.close()
-	opts.BuildAhead = Off
+	opts.BuildAhead, opts.DecodeGraphs = Off, Off
 	plain := openSplit(t, storiesPath, bounds, opts)
 	defer plain.close()
 	for i, s := range ahead.stages {
@@ -161,6 +163,9 @@ func checkBuildAhead(t *testing.T, device string) {
 		hits += s.Phases().Ahead
 		passes += s.Phases().Passes
 		allocated += s.Phases().Allocated
+		if want := map[bool]int{true: 2, false: 1}[perLane == On && directSched]; len(s.lanes) != want && directSched {
+			t.Errorf("stage %s ran on %d schedulers, want %d", s.Info().Range(), len(s.lanes), want)
+		}
 	}
 	// In builds that drive ggml's scheduler, every pass built ahead was
 	// also allocated ahead: it was the oldest waiting when its stage went

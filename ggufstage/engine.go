@@ -35,6 +35,7 @@ type Options struct {
 	BatchSize      int         // most tokens in one forward pass; 0 = 512
 	FlashAttention Switch      // ggml's fused attention kernel; Auto: on GPUs (see Auto)
 	BuildAhead     Switch      // build the next decode pass while one computes (see pass); Auto: on GPUs
+	DecodeGraphs   Switch      // a scheduler per pipeline lane, and CUDA graphs for decode passes of several rows (see lane); Auto: off
 	KVType         ml.DType    // 0 = f16
 	WireDType      stage.DType // 0 = f16
 	NoRepack       bool        // keep quantized weights in ggml's plain layout
@@ -117,10 +118,11 @@ type Engine struct {
 	// for the batches predicted next, of disjoint sequences.
 	buildsAhead bool
 	ahead       []*pass
-	// allocated is the pass built ahead that ggml's scheduler is already
-	// split and allocated for (see allocAhead), if any.
-	allocated *pass
-	prep      sync.WaitGroup // allocAhead goroutines, waited for by Close
+	// lanes are the schedulers passes run on (see lane); lane 0 is
+	// ollama's. Empty in builds that compute through ollama.
+	lanes        []*lane
+	decodeGraphs bool
+	prep         sync.WaitGroup // allocAhead goroutines, waited for by Close
 	// Reused read buffers: hidden is read under mu and copied out by
 	// NewActivation; logits go to the caller and come back by Release.
 	hidden []float32
@@ -307,6 +309,10 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 		e.info.Backend = gpu.Library
 	}
 	e.buildsAhead = opts.BuildAhead.on(gpu != nil)
+	if s := schedOf(e.backend); directSched && s != nil {
+		e.lanes = []*lane{{sched: s}}
+		e.decodeGraphs = opts.DecodeGraphs.on(false)
+	}
 	e.slots = make(map[stage.SeqID]int)
 	for i := opts.MaxSeqs - 1; i >= 0; i-- {
 		e.free = append(e.free, i)
@@ -396,13 +402,14 @@ func (e *Engine) compute(p *pass, rows int, between func(), t *passTimes) (float
 		return floats, nil, nil
 	}
 	start := time.Now()
-	if e.allocated == p {
+	l := e.lanes[p.lane]
+	if l.allocated == p {
 		e.phases.allocated.Add(1)
 	} else if err := e.place(p); err != nil {
-		e.allocated = nil
+		l.allocated = nil
 		return nil, nil, err
 	}
-	e.allocated = nil
+	l.allocated = nil
 	t.alloc = time.Since(start)
 	start = time.Now()
 	if err := p.sg.launch(); err != nil {
@@ -544,7 +551,7 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 	var t passTimes
 	p := e.takeAhead(b, slots)
 	if p == nil {
-		if p, err = e.build(b.Seqs, b.Pos, slots, b.Outputs); err != nil {
+		if p, err = e.build(b.Seqs, b.Pos, slots, b.Outputs, e.laneFor(b, slots)); err != nil {
 			return nil, fmt.Errorf("placing batch in the KV cache: %w", err)
 		}
 	}
@@ -555,7 +562,7 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 	}()
 	p.fill(b.Tokens, hidden)
 	n, last := b.Rows(), p.last
-	floats, free, err := e.compute(p, n, func() { e.buildAhead(b, slots) }, &t)
+	floats, free, err := e.compute(p, n, func() { e.buildAhead(b, slots, p.lane) }, &t)
 	e.phases.alloc.Add(int64(t.alloc))
 	e.phases.launch.Add(int64(t.launch))
 	e.phases.wait.Add(int64(t.wait))
@@ -603,6 +610,10 @@ func (e *Engine) close() (err error) {
 		p.gctx.Close()
 	}
 	e.ahead = nil
+	for _, l := range e.lanes {
+		l.clone.free()
+	}
+	e.lanes = nil
 	if e.cache != nil {
 		e.cache.Close()
 	}

@@ -15,6 +15,7 @@ const directSched = false
 
 type schedGraph struct {
 	sched, graph unsafe.Pointer
+	batch        int
 }
 
 func schedGraphOf(ml.Context) (schedGraph, bool) { return schedGraph{}, false }
@@ -25,3 +26,10 @@ func (schedGraph) alloc() error                    { return errNoSched }
 func (schedGraph) launch() error                   { return errNoSched }
 func (schedGraph) reset()                          {}
 func (schedGraph) read(ml.Tensor, []float32) error { return errNoSched }
+
+func schedOf(ml.Backend) unsafe.Pointer { return nil }
+
+type schedClone struct{ sched unsafe.Pointer }
+
+func cloneSched(ml.Backend) (*schedClone, error) { return nil, errNoSched }
+func (*schedClone) free()                        {}

@@ -16,11 +16,13 @@ package ggufstage
 // split-equivalence and engine tests fail if reading them ever goes wrong.
 
 /*
+#include <stdlib.h>
 #include "ggml.h"
 #include "ggml-backend.h"
 
-static int meshnode_sched_alloc(void * sched, void * graph) {
+static int meshnode_sched_alloc(void * sched, void * graph, int batch) {
 	ggml_backend_sched_reset((ggml_backend_sched_t) sched);
+	ggml_backend_sched_set_batch_size((ggml_backend_sched_t) sched, batch);
 	return ggml_backend_sched_alloc_graph((ggml_backend_sched_t) sched, (struct ggml_cgraph *) graph) ? 1 : 0;
 }
 
@@ -28,10 +30,45 @@ static int meshnode_sched_alloc(void * sched, void * graph) {
 // allocates it first unless meshnode_sched_alloc already did. The reset
 // after leaves the scheduler free for the next graph's allocation while
 // this one computes, as ollama's Compute does.
-static int meshnode_sched_launch(void * sched, void * graph) {
+static int meshnode_sched_launch(void * sched, void * graph, int batch) {
+	ggml_backend_sched_set_batch_size((ggml_backend_sched_t) sched, batch);
 	enum ggml_status st = ggml_backend_sched_graph_compute_async((ggml_backend_sched_t) sched, (struct ggml_cgraph *) graph);
 	ggml_backend_sched_reset((ggml_backend_sched_t) sched);
 	return (int) st;
+}
+
+// meshnode_sched_clone makes a scheduler over the same devices as
+// backends, with a new backend instance (its own stream and CUDA graph)
+// for each device but the CPU, whose instance is shared. owned[i] gets
+// the instances it made, for meshnode_sched_free_clone.
+static void * meshnode_sched_clone(void ** backends, void ** bufts, int n, size_t graph_size, void ** owned) {
+	ggml_backend_t bs[16];
+	if (n > 16) return NULL;
+	for (int i = 0; i < n; i++) {
+		ggml_backend_t b = (ggml_backend_t) backends[i];
+		ggml_backend_dev_t dev = ggml_backend_get_device(b);
+		owned[i] = NULL;
+		if (dev != NULL && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+			ggml_backend_t nb = ggml_backend_dev_init(dev, NULL);
+			if (nb == NULL) {
+				for (int j = 0; j < i; j++) if (owned[j] != NULL) ggml_backend_free((ggml_backend_t) owned[j]);
+				return NULL;
+			}
+			owned[i] = nb;
+			b = nb;
+		}
+		bs[i] = b;
+	}
+	ggml_backend_sched_t s = ggml_backend_sched_new_ext(bs, (ggml_backend_buffer_type_t *) bufts, n, graph_size, false, true, true);
+	if (s == NULL) {
+		for (int i = 0; i < n; i++) if (owned[i] != NULL) ggml_backend_free((ggml_backend_t) owned[i]);
+	}
+	return s;
+}
+
+static void meshnode_sched_free_clone(void * sched, void ** owned, int n) {
+	ggml_backend_sched_free((ggml_backend_sched_t) sched);
+	for (int i = 0; i < n; i++) if (owned[i] != NULL) ggml_backend_free((ggml_backend_t) owned[i]);
 }
 
 static void meshnode_sched_reset(void * sched) {
@@ -65,6 +102,9 @@ const directSched = true
 // context the pass was built in.
 type schedGraph struct {
 	sched, graph unsafe.Pointer
+	// batch is the batch size hinted to ggml: 1 lets the CUDA backend
+	// replay a graph for a pass of several rows, -1 leaves it to ggml.
+	batch int
 }
 
 // schedGraphOf returns the scheduler and graph behind gctx, once the graph
@@ -83,13 +123,69 @@ func schedGraphOf(gctx ml.Context) (g schedGraph, ok bool) {
 	if !sched.IsValid() || sched.Kind() != reflect.Pointer || sched.IsNil() {
 		return g, false
 	}
-	return schedGraph{sched: sched.UnsafePointer(), graph: graph.UnsafePointer()}, true
+	return schedGraph{sched: sched.UnsafePointer(), graph: graph.UnsafePointer(), batch: -1}, true
+}
+
+// schedOf returns the scheduler ollama made for backend.
+func schedOf(backend ml.Backend) unsafe.Pointer {
+	v := reflect.ValueOf(backend)
+	if v.Kind() != reflect.Pointer || v.Elem().Kind() != reflect.Struct {
+		return nil
+	}
+	f := v.Elem().FieldByName("sched")
+	if !f.IsValid() || f.Kind() != reflect.Pointer || f.IsNil() {
+		return nil
+	}
+	return f.UnsafePointer()
+}
+
+// A schedClone is a scheduler of its own over the devices of an ollama
+// backend, sharing its weights (see meshnode_sched_clone).
+type schedClone struct {
+	sched unsafe.Pointer
+	owned []unsafe.Pointer
+}
+
+// cloneSched makes a schedClone of backend's scheduler.
+func cloneSched(backend ml.Backend) (*schedClone, error) {
+	v := reflect.ValueOf(backend)
+	if v.Kind() != reflect.Pointer || v.Elem().Kind() != reflect.Struct {
+		return nil, fmt.Errorf("ggml scheduler: not an ollama ggml backend")
+	}
+	bs, bts, nodes := v.Elem().FieldByName("schedBackends"), v.Elem().FieldByName("schedBufts"), v.Elem().FieldByName("maxGraphNodes")
+	if !bs.IsValid() || bs.Kind() != reflect.Slice || !bts.IsValid() || bts.Kind() != reflect.Slice || bs.Len() != bts.Len() || bs.Len() == 0 ||
+		!nodes.IsValid() || nodes.Kind() != reflect.Int {
+		return nil, fmt.Errorf("ggml scheduler: the backend's scheduler fields are not there")
+	}
+	n := bs.Len()
+	cb := (*[1 << 10]unsafe.Pointer)(C.malloc(C.size_t(3 * n * int(unsafe.Sizeof(uintptr(0))))))[: 3*n : 3*n]
+	defer C.free(unsafe.Pointer(&cb[0]))
+	for i := range n {
+		cb[i], cb[n+i] = bs.Index(i).UnsafePointer(), bts.Index(i).UnsafePointer()
+	}
+	s := C.meshnode_sched_clone(&cb[0], &cb[n], C.int(n), C.size_t(nodes.Int()), &cb[2*n])
+	if s == nil {
+		return nil, fmt.Errorf("ggml scheduler: making a second scheduler failed")
+	}
+	return &schedClone{sched: s, owned: append([]unsafe.Pointer(nil), cb[2*n:]...)}, nil
+}
+
+// free frees the scheduler and the backend instances made for it.
+func (c *schedClone) free() {
+	if c == nil || c.sched == nil {
+		return
+	}
+	owned := (*[1 << 10]unsafe.Pointer)(C.malloc(C.size_t(max(len(c.owned), 1) * int(unsafe.Sizeof(uintptr(0))))))[:len(c.owned):len(c.owned)]
+	copy(owned, c.owned)
+	C.meshnode_sched_free_clone(c.sched, (*unsafe.Pointer)(unsafe.Pointer(unsafe.SliceData(owned))), C.int(len(owned)))
+	C.free(unsafe.Pointer(unsafe.SliceData(owned)))
+	c.sched = nil
 }
 
 // alloc splits the graph over the backends and places its tensors in the
 // scheduler's compute buffers, dropping whatever allocation it had.
 func (g schedGraph) alloc() error {
-	if C.meshnode_sched_alloc(g.sched, g.graph) == 0 {
+	if C.meshnode_sched_alloc(g.sched, g.graph, C.int(g.batch)) == 0 {
 		return fmt.Errorf("ggml scheduler: allocating the graph failed (out of memory?)")
 	}
 	return nil
@@ -97,7 +193,7 @@ func (g schedGraph) alloc() error {
 
 // launch queues the graph on its backends.
 func (g schedGraph) launch() error {
-	if st := C.meshnode_sched_launch(g.sched, g.graph); st != C.GGML_STATUS_SUCCESS {
+	if st := C.meshnode_sched_launch(g.sched, g.graph, C.int(g.batch)); st != C.GGML_STATUS_SUCCESS {
 		return fmt.Errorf("ggml scheduler: computing the graph failed (status %d)", int(st))
 	}
 	return nil

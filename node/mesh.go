@@ -1033,7 +1033,7 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 		}
 		opts := ggufstage.Options{
 			Threads: m.cfg.Threads, Context: mm.ref.Context, MaxSeqs: max(mm.ref.Parallel, 1),
-			BatchSize: m.cfg.BatchTokens, FlashAttention: m.cfg.FlashAttention, BuildAhead: m.cfg.BuildAhead, NoRepack: m.cfg.NoRepack,
+			BatchSize: m.cfg.BatchTokens, FlashAttention: m.cfg.FlashAttention, BuildAhead: m.cfg.BuildAhead, DecodeGraphs: m.cfg.DecodeGraphs, NoRepack: m.cfg.NoRepack,
 			WireDType: m.cfg.WireDType, Device: m.cfg.Device,
 		}
 		if m.cfg.kvF32 {

@@ -49,6 +49,7 @@ type Config struct {
 	APIKey         string
 	FlashAttention ggufstage.Switch // Auto: on for a stage on a GPU, off on the CPU
 	BuildAhead     ggufstage.Switch // Auto: on for a stage on a GPU (see ggufstage.Options)
+	DecodeGraphs   ggufstage.Switch // Auto: off (see ggufstage.Options)
 	NoRepack       bool
 	Device         string // cpu, cuda, auto: where this node's layers run
 	Logger         *zap.Logger

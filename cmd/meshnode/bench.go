@@ -63,6 +63,8 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	prefill := fs.Int("prefill", 512, "with --mesh: prompt tokens per stream of the prefill measurement; -1 skips it")
 	wire := fs.String("wire-dtype", "", "with --mesh: activations between stages (f16 or f32; default the nodes')")
 	busyPoll := fs.String("busy-poll", "", "with --mesh: the nodes' --busy-poll (auto, off or a duration; default the nodes')")
+	var nodeArgs repeated
+	fs.Var(&nodeArgs, "node-arg", "with --mesh: one more flag for every node's serve or join, e.g. --node-arg=--decode-graphs=on (repeatable)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -116,6 +118,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 			}
 			mc.NodeArgs = append(mc.NodeArgs, "--busy-poll", *busyPoll)
 		}
+		mc.NodeArgs = append(mc.NodeArgs, nodeArgs...)
 		mc.GPUPerNode = *gpuPerNode
 		if mc.Stages, err = parseCounts("--stages", *stages); err != nil {
 			return err
@@ -159,3 +162,9 @@ func parseCounts(name, list string) ([]int, error) {
 	}
 	return out, nil
 }
+
+// repeated is a flag that may be given several times.
+type repeated []string
+
+func (r *repeated) String() string     { return strings.Join(*r, " ") }
+func (r *repeated) Set(v string) error { *r = append(*r, v); return nil }

@@ -44,6 +44,20 @@ func TestFlashAttnFlag(t *testing.T) {
 			t.Errorf("parse %v: build ahead %v (%v), want %v", tc.args, f.cfg.BuildAhead, err, tc.want)
 		}
 	}
+	// So does --decode-graphs.
+	for _, tc := range []struct {
+		args []string
+		want ggufstage.Switch
+	}{
+		{nil, ggufstage.Auto},
+		{[]string{"--decode-graphs=on"}, ggufstage.On},
+		{[]string{"--decode-graphs=off"}, ggufstage.Off},
+	} {
+		f, err := parseServe(tc.args)
+		if err != nil || f.cfg.DecodeGraphs != tc.want {
+			t.Errorf("parse %v: decode graphs %v (%v), want %v", tc.args, f.cfg.DecodeGraphs, err, tc.want)
+		}
+	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			if tc.env != "" {
