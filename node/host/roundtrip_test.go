@@ -159,6 +159,65 @@ func serveEach(ln net.Listener, handle func(net.Conn)) {
 	}
 }
 
+// BenchmarkHop measures one hop of a pipeline step of several rows: a
+// message of 16 KiB (one row of an 8B model's hidden state in f32), 128 KiB
+// (8 rows) or 512 KiB (32 rows) sent whole, then a 1-byte reply, over
+// plain loopback TCP and over a libp2p stream. Each size reports the
+// libp2p stream's time as a multiple of TCP's, measured in the same run
+// (the "×tcp" metric on the libp2p case). (BenchmarkRoundTrip echoes the
+// message back, which at these sizes fills both ends' windows at once.)
+func BenchmarkHop(b *testing.B) {
+	for _, size := range []int{16 << 10, 128 << 10, 512 << 10} {
+		var tcp float64
+		for _, kind := range []string{"tcp", "libp2p"} {
+			b.Run(fmt.Sprintf("%s/%dKiB", kind, size>>10), func(b *testing.B) {
+				var c net.Conn
+				if kind == "tcp" {
+					c = tcpStream(b, acker(size))
+				} else {
+					c, _ = meshStream(b, acker(size))
+				}
+				defer c.Close()
+				buf := make([]byte, size)
+				b.SetBytes(int64(size))
+				b.ResetTimer()
+				start := time.Now()
+				for range b.N {
+					if _, err := c.Write(buf); err != nil {
+						b.Fatal(err)
+					}
+					if _, err := io.ReadFull(c, buf[:1]); err != nil {
+						b.Fatal(err)
+					}
+				}
+				per := float64(time.Since(start)) / float64(b.N)
+				if kind == "tcp" {
+					tcp = per
+				} else if tcp > 0 {
+					b.ReportMetric(per/tcp, "×tcp")
+				}
+			})
+		}
+	}
+}
+
+// acker reads messages of size bytes and answers each with one byte.
+func acker(size int) func(net.Listener) {
+	return func(ln net.Listener) {
+		serveEach(ln, func(c net.Conn) {
+			buf := make([]byte, size)
+			for {
+				if _, err := io.ReadFull(c, buf); err != nil {
+					return
+				}
+				if _, err := c.Write(buf[:1]); err != nil {
+					return
+				}
+			}
+		})
+	}
+}
+
 func echo(ln net.Listener) { serveEach(ln, func(c net.Conn) { io.Copy(c, c) }) }
 
 func discard(ln net.Listener) { serveEach(ln, func(c net.Conn) { io.Copy(io.Discard, c) }) }
