@@ -158,7 +158,9 @@ func cloneSched(backend ml.Backend) (*schedClone, error) {
 		return nil, fmt.Errorf("ggml scheduler: the backend's scheduler fields are not there")
 	}
 	n := bs.Len()
-	cb := (*[1 << 10]unsafe.Pointer)(C.malloc(C.size_t(3 * n * int(unsafe.Sizeof(uintptr(0))))))[: 3*n : 3*n]
+	// The arrays go to C, so they live in C memory: backends, buffer
+	// types, then the backend instances the clone makes.
+	cb := cPointers(3 * n)
 	defer C.free(unsafe.Pointer(&cb[0]))
 	for i := range n {
 		cb[i], cb[n+i] = bs.Index(i).UnsafePointer(), bts.Index(i).UnsafePointer()
@@ -175,11 +177,18 @@ func (c *schedClone) free() {
 	if c == nil || c.sched == nil {
 		return
 	}
-	owned := (*[1 << 10]unsafe.Pointer)(C.malloc(C.size_t(max(len(c.owned), 1) * int(unsafe.Sizeof(uintptr(0))))))[:len(c.owned):len(c.owned)]
+	owned := cPointers(len(c.owned))
 	copy(owned, c.owned)
-	C.meshnode_sched_free_clone(c.sched, (*unsafe.Pointer)(unsafe.Pointer(unsafe.SliceData(owned))), C.int(len(owned)))
-	C.free(unsafe.Pointer(unsafe.SliceData(owned)))
+	C.meshnode_sched_free_clone(c.sched, &owned[0], C.int(len(c.owned)))
+	C.free(unsafe.Pointer(&owned[0]))
 	c.sched = nil
+}
+
+// cPointers returns an array of n pointers (at least one) in C memory,
+// for the caller to free.
+func cPointers(n int) []unsafe.Pointer {
+	n = max(n, 1)
+	return unsafe.Slice((*unsafe.Pointer)(C.calloc(C.size_t(n), C.size_t(unsafe.Sizeof(uintptr(0))))), n)
 }
 
 // alloc splits the graph over the backends and places its tensors in the
