@@ -159,11 +159,11 @@ func (e *Engine) build(seqs []stage.SeqID, pos []int32, slots []int, outputs []i
 	}
 	p.out = h
 	p.gctx.Forward(h)
-	p.sg, p.direct = schedGraphOf(p.gctx)
-	p.direct = p.direct && lane < len(e.lanes)
-	if p.direct {
-		p.lane = lane
-		p.sg.sched = e.lanes[lane].sched
+	// Builds that run the scheduler themselves have lanes (lane 0 is
+	// ollama's scheduler); the graph comes from ollama's context.
+	if g := graphOf(p.gctx); g != nil && lane < len(e.lanes) {
+		p.direct, p.lane = true, lane
+		p.sg = schedGraph{sched: e.lanes[lane].sched, graph: g, batch: -1}
 		if e.decodeGraphs && n <= maxGraphRows && decodeShaped(slots, outputs) {
 			p.sg.batch = 1
 		}

@@ -98,8 +98,8 @@ import (
 // directSched: this build runs graphs through ggml's scheduler itself.
 const directSched = true
 
-// schedGraph is ggml's scheduler and a pass's graph, dug out of the ollama
-// context the pass was built in.
+// schedGraph is a pass's graph, dug out of the ollama context it was built
+// in, and the scheduler (a lane's) that runs it.
 type schedGraph struct {
 	sched, graph unsafe.Pointer
 	// batch is the batch size hinted to ggml: 1 lets the CUDA backend
@@ -107,23 +107,18 @@ type schedGraph struct {
 	batch int
 }
 
-// schedGraphOf returns the scheduler and graph behind gctx, once the graph
-// exists (after gctx.Forward); ok is false if the fields are not there.
-func schedGraphOf(gctx ml.Context) (g schedGraph, ok bool) {
+// graphOf returns the ggml graph behind gctx, once it exists (after
+// gctx.Forward), or nil if the field is not there.
+func graphOf(gctx ml.Context) unsafe.Pointer {
 	v := reflect.ValueOf(gctx)
 	if v.Kind() != reflect.Pointer || v.Elem().Kind() != reflect.Struct {
-		return g, false
+		return nil
 	}
 	graph := v.Elem().FieldByName("graph")
-	b := v.Elem().FieldByName("b")
-	if !graph.IsValid() || graph.Kind() != reflect.Pointer || graph.IsNil() || !b.IsValid() || b.Kind() != reflect.Pointer || b.IsNil() {
-		return g, false
+	if !graph.IsValid() || graph.Kind() != reflect.Pointer || graph.IsNil() {
+		return nil
 	}
-	sched := b.Elem().FieldByName("sched")
-	if !sched.IsValid() || sched.Kind() != reflect.Pointer || sched.IsNil() {
-		return g, false
-	}
-	return schedGraph{sched: sched.UnsafePointer(), graph: graph.UnsafePointer(), batch: -1}, true
+	return graph.UnsafePointer()
 }
 
 // schedOf returns the scheduler ollama made for backend.
