@@ -11,7 +11,7 @@ import (
 
 // TestFlashAttnFlag parses --flash-attn the ways users write it: the bare
 // boolean form of earlier versions, a value, a config file's boolean, the
-// environment, and nonsense; then --build-ahead.
+// environment, and nonsense; then --build-ahead and --decode-graphs.
 func TestFlashAttnFlag(t *testing.T) {
 	tests := []struct {
 		name    string
@@ -29,33 +29,25 @@ func TestFlashAttnFlag(t *testing.T) {
 		{"environment", nil, "on", ggufstage.On, false},
 		{"nonsense", []string{"--flash-attn=maybe"}, "", ggufstage.Auto, true},
 	}
-	// --build-ahead takes the same values; it is checked on its own field.
-	ahead := []struct {
-		args []string
-		want ggufstage.Switch
-	}{
-		{nil, ggufstage.Auto},
-		{[]string{"--build-ahead=on"}, ggufstage.On},
-		{[]string{"--build-ahead=off", "--flash-attn"}, ggufstage.Off},
-	}
-	for _, tc := range ahead {
-		f, err := parseServe(tc.args)
-		if err != nil || f.cfg.BuildAhead != tc.want {
-			t.Errorf("parse %v: build ahead %v (%v), want %v", tc.args, f.cfg.BuildAhead, err, tc.want)
-		}
-	}
-	// So does --decode-graphs.
+	// --build-ahead and --decode-graphs take the same values; each is
+	// checked on its own field.
+	buildAhead := func(f *nodeFlags) ggufstage.Switch { return f.cfg.BuildAhead }
+	decodeGraphs := func(f *nodeFlags) ggufstage.Switch { return f.cfg.DecodeGraphs }
 	for _, tc := range []struct {
-		args []string
-		want ggufstage.Switch
+		args  []string
+		field func(*nodeFlags) ggufstage.Switch
+		want  ggufstage.Switch
 	}{
-		{nil, ggufstage.Auto},
-		{[]string{"--decode-graphs=on"}, ggufstage.On},
-		{[]string{"--decode-graphs=off"}, ggufstage.Off},
+		{nil, buildAhead, ggufstage.Auto},
+		{[]string{"--build-ahead=on"}, buildAhead, ggufstage.On},
+		{[]string{"--build-ahead=off", "--flash-attn"}, buildAhead, ggufstage.Off},
+		{nil, decodeGraphs, ggufstage.Auto},
+		{[]string{"--decode-graphs=on"}, decodeGraphs, ggufstage.On},
+		{[]string{"--decode-graphs=off"}, decodeGraphs, ggufstage.Off},
 	} {
 		f, err := parseServe(tc.args)
-		if err != nil || f.cfg.DecodeGraphs != tc.want {
-			t.Errorf("parse %v: decode graphs %v (%v), want %v", tc.args, f.cfg.DecodeGraphs, err, tc.want)
+		if err != nil || tc.field(f) != tc.want {
+			t.Errorf("parse %v: %v (%v), want %v", tc.args, tc.field(f), err, tc.want)
 		}
 	}
 	for _, tc := range tests {
