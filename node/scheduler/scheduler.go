@@ -117,7 +117,10 @@ type Scheduler struct {
 	incoming chan *seq
 	nextID   atomic.Uint64
 
-	nextLane int // round-robin lane of the next admitted sequence
+	// Pipelining state, Run's alone.
+	nextLane int       // round-robin lane of the next admitted sequence
+	fillLane int       // the lane nextGroup tries first
+	flights  []*flight // batches in flight, oldest first
 
 	mu     sync.Mutex
 	stats  Stats
@@ -276,6 +279,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			}
 			break
 		}
+		s.drainFlights(ctx)
 		for _, q := range append(waiting, active...) {
 			s.finish(q, Event{Err: ErrClosed})
 		}
@@ -348,7 +352,9 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			continue
 		}
 		var replay []*seq
-		if sub, ok := s.pipe.(Submitter); ok && sub.Lanes() > 1 {
+		// Batches still in flight are awaited there, also when the
+		// route has since shrunk to one stage.
+		if sub, ok := s.pipe.(Submitter); ok && (sub.Lanes() > 1 || len(s.flights) > 0) {
 			active, replay = s.stepPipelined(ctx, sub, active)
 		} else {
 			active, replay = s.step(ctx, active)
@@ -478,6 +484,7 @@ func (s *Scheduler) apply(group []*seq, take []int, outs []*seq, toks []int32) [
 
 // flight is a batch in flight on a pipelined route.
 type flight struct {
+	lane  int
 	group []*seq
 	take  []int
 	outs  []*seq
@@ -485,88 +492,111 @@ type flight struct {
 	start time.Time
 }
 
-// stepPipelined keeps one batch in flight per lane, so that while one
-// micro-batch is on stage 2 the next is already on stage 1, then takes the
-// oldest result. On a single machine this changes little; across machines
-// it is what lets throughput grow with the number of stages.
+// stepPipelined keeps a batch in flight per stage, each of a different lane
+// (group of sequences), so that while one micro-batch is on stage 2 the
+// next is on stage 1. It awaits only the oldest batch, and that lane's next
+// batch goes in at once while the others are still on their stages: a
+// decode step of S lanes through S stages takes S stage-times. (Submitting
+// a batch per lane and then awaiting them all took 2S-1: the first lane
+// idled while the last one finished.) On a single machine this changes
+// little; across machines it is what lets throughput grow with the number
+// of stages.
 //
-// A lane's prompt tokens go in up to `lanes` chunks of BatchTokens/lanes,
-// each its own batch: a stage may run a prompt's next chunk while the
-// following stage runs the one before (the route keeps their order), so
-// even a single long prompt keeps every stage busy. A round still feeds a
-// lane at most BatchTokens prompt tokens, as unpipelined.
+// A lane's prompt tokens go in chunks of BatchTokens/lanes, each its own
+// batch: a stage may run a prompt's next chunk while the following stage
+// runs the one before (the route keeps their order), so even a single long
+// prompt keeps every stage busy.
+//
+// The batches stay in flight across calls, in s.flights; a failure waits
+// them out and replays every sequence.
 func (s *Scheduler) stepPipelined(ctx context.Context, sub Submitter, active []*seq) (next, replay []*seq) {
-	lanes := sub.Lanes()
+	lanes := max(sub.Lanes(), 1)
 	chunk := max(s.cfg.BatchTokens/lanes, minPromptChunk)
-	var flights []*flight
-	for lane := range lanes {
-		var group []*seq
+	for len(s.flights) < lanes {
+		lane, group := s.nextGroup(active, lanes)
+		if len(group) == 0 {
+			break
+		}
 		decoding := 0
-		for _, q := range active {
-			if q.lane%lanes == lane && !q.busy() {
-				group = append(group, q)
-				if !q.prefilling() {
-					decoding++
-				}
+		for _, q := range group {
+			if q.unsent() == 1 {
+				decoding++
 			}
 		}
-		// The first batch carries every decoding sequence's token.
-		budget := max(chunk, decoding)
-		for range lanes {
-			if len(group) == 0 {
-				break
-			}
-			b, take, outs := s.build(group, budget)
-			if b.Rows() == 0 {
-				break
-			}
-			wait, err := sub.Submit(ctx, b)
-			if err != nil {
-				// Wait out what is in flight, then replay everything.
-				for _, f := range flights {
-					f.wait(ctx)
-				}
-				return nil, s.replay(active, err)
-			}
-			flights = append(flights, &flight{group: group, take: take, outs: outs, wait: wait, start: time.Now()})
-			// What follows in this round is the rest of the prompts.
-			var rest []*seq
-			for _, q := range group {
-				if q.unsent() > 0 {
-					rest = append(rest, q)
-				}
-			}
-			group, budget = rest, chunk
+		// Every decoding sequence's token goes in; prompts fill the rest.
+		b, take, outs := s.build(group, max(chunk, decoding))
+		if b.Rows() == 0 {
+			break
 		}
+		wait, err := sub.Submit(ctx, b)
+		if err != nil {
+			s.drainFlights(ctx)
+			return nil, s.replay(active, err)
+		}
+		s.flights = append(s.flights, &flight{lane: lane, group: group, take: take, outs: outs, wait: wait, start: time.Now()})
 	}
-	if len(flights) == 0 {
+	if len(s.flights) == 0 {
 		return active, nil
 	}
-	var failed error
-	for _, f := range flights {
-		toks, err := f.wait(ctx)
-		s.count(time.Since(f.start))
-		if err == nil && len(toks) != len(f.outs) {
-			err = fmt.Errorf("pipeline returned %d tokens for %d output rows", len(toks), len(f.outs))
-		}
-		if err != nil || failed != nil {
-			if failed == nil {
-				failed = err
-			}
-			continue
-		}
-		s.apply(f.group, f.take, f.outs, toks)
+	f := s.flights[0]
+	s.flights = s.flights[1:]
+	toks, err := f.wait(ctx)
+	s.count(time.Since(f.start))
+	if err == nil && len(toks) != len(f.outs) {
+		err = fmt.Errorf("pipeline returned %d tokens for %d output rows", len(toks), len(f.outs))
 	}
-	if failed != nil {
+	if err != nil {
+		s.drainFlights(ctx)
 		var all []*seq
 		for _, q := range active {
 			if q.events != nil {
 				all = append(all, q)
 			}
 		}
-		return nil, s.replay(all, failed)
+		return nil, s.replay(all, err)
 	}
+	s.apply(f.group, f.take, f.outs, toks)
 	return slices.DeleteFunc(active, func(q *seq) bool { return q.events == nil }), nil
+}
+
+// nextGroup picks the lane whose sequences go in next and returns those
+// that have tokens to send. Lanes with nothing in flight come first, in
+// turn; then a lane that is in flight but has prompt left to send, whose
+// next chunk can follow the one before it down the route. It returns no
+// group when no sequence has a token to send.
+func (s *Scheduler) nextGroup(active []*seq, lanes int) (lane int, group []*seq) {
+	busy := make([]bool, lanes)
+	for _, f := range s.flights {
+		busy[f.lane%lanes] = true
+	}
+	for _, wantIdle := range []bool{true, false} {
+		for i := range lanes {
+			lane = (s.fillLane + i) % lanes
+			if busy[lane] == wantIdle {
+				continue
+			}
+			group = nil
+			for _, q := range active {
+				if q.lane%lanes == lane && q.unsent() > 0 {
+					group = append(group, q)
+				}
+			}
+			if len(group) > 0 {
+				s.fillLane = lane + 1
+				return lane, group
+			}
+		}
+	}
+	return 0, nil
+}
+
+// drainFlights waits out every batch in flight, discarding the results:
+// what they held is about to be replayed.
+func (s *Scheduler) drainFlights(ctx context.Context) {
+	for _, f := range s.flights {
+		f.wait(ctx)
+	}
+	s.flights = nil
 }
 
 // accept appends a sampled token, streams its text, and says whether the

@@ -504,8 +504,9 @@ func TestPipelinedPromptChunks(t *testing.T) {
 	if got := generate(l); got != want {
 		t.Errorf("pipelined: %q, unpipelined %q", got, want)
 	}
-	// The prompt's first round: two chunks of 32 submitted, then awaited.
-	wantLog := []string{"submit 32", "submit 32", "wait", "wait"}
+	// Two chunks of 32 go in before the first is awaited, and the next
+	// follows each result at once.
+	wantLog := []string{"submit 32", "submit 32", "wait", "submit 32", "wait"}
 	if len(l.log) < len(wantLog) || !slices.Equal(l.log[:len(wantLog)], wantLog) {
 		t.Errorf("pipeline saw %v, want it to start %v", l.log, wantLog)
 	}
@@ -570,6 +571,63 @@ func TestPipelinedMatchesSequential(t *testing.T) {
 		}
 		if tc.failAt > 0 && st.Replays == 0 {
 			t.Errorf("%s: no replay after the failure", tc.name)
+		}
+	}
+}
+
+// TestPipelinedKeepsStagesBusy: on a route of two stages, when the oldest
+// batch's tokens come back its lane's next batch goes in before the other
+// lane's batch is awaited, so that both stages always hold a batch.
+// Submitting a batch per lane and then awaiting both left one idle.
+func TestPipelinedKeepsStagesBusy(t *testing.T) {
+	eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 8, Context: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	tok, _ := ggufstage.LoadTokenizer(storiesPath)
+	l := &lanes{Pipeline: Local(eng), n: 2}
+	s := New(l, tok, Config{Parallel: 8, BatchTokens: 96}, nil)
+	// Every request is queued before Run starts, so that both lanes fill
+	// from the first step.
+	var chans []<-chan Event
+	for _, p := range []string{"Once upon a time", "The little dog", "Lily and Tom", "One day, a bird", "The sun was", "Max liked to", "Tom had a", "A big cat"} {
+		ids, _ := tok.Encode(p, true)
+		ch, err := s.Submit(context.Background(), Request{Prompt: ids, MaxTokens: 24, Sampling: greedy()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		chans = append(chans, ch)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { s.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	for _, ch := range chans {
+		collect(t, ch)
+	}
+	l.mu.Lock()
+	log := slices.Clone(l.log)
+	l.mu.Unlock()
+	var inFlight, waits int
+	var before []int // batches in flight as each wait began
+	for _, e := range log {
+		if e == "wait" {
+			before = append(before, inFlight)
+			inFlight--
+			waits++
+		} else {
+			inFlight++
+		}
+	}
+	if waits < 20 {
+		t.Fatalf("only %d batches: %v", waits, log)
+	}
+	// Sequences finish at different steps near the end; until half way
+	// every lane is generating.
+	for i, n := range before[:waits/2] {
+		if n != 2 {
+			t.Fatalf("wait %d began with %d batches in flight, want 2 (one per stage); pipeline saw %v", i, n, log[:min(len(log), 40)])
 		}
 	}
 }
