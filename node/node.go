@@ -66,9 +66,9 @@ type Config struct {
 	Layers     string // "a:b" pins this node's layer range
 	MaxMemory  uint64 // cap on what this node offers the planner
 	WireDType  stage.DType
-	// Pipelining keeps one micro-batch in flight per stage (for stages on
-	// separate machines; see meshPipe.Lanes).
-	Pipelining bool
+	// Pipelining keeps one micro-batch in flight per stage; Auto does when
+	// no two stages share hardware (see meshPipe.Lanes).
+	Pipelining ggufstage.Switch
 	// AllowPeers, when set, admits only these peer IDs to the mesh (on top
 	// of the mesh key): --trust allowlist.
 	AllowPeers []string

@@ -2,6 +2,8 @@ package node
 
 import (
 	"bufio"
+	"fmt"
+	"hash/fnv"
 	"os"
 	"runtime"
 	"strconv"
@@ -48,4 +50,29 @@ func measureSpeed() float64 {
 		}
 	}
 	return best
+}
+
+// computeID names the hardware a node's layers run on, device ("cpu", or
+// a GPU's library and PCI address) on this machine, without revealing the
+// machine's id: nodes that report the same value share that hardware.
+func computeID(device string) string {
+	h := fnv.New64a()
+	fmt.Fprintf(h, "%s\x00%s", machineID(), device)
+	return fmt.Sprintf("%016x", h.Sum64())
+}
+
+// machineID names this machine: the OS's machine id where there is one
+// (systemd, D-Bus), else the hostname. Two machines cloned from one image
+// may share it; they then count as one machine, which only costs them
+// pipelining.
+func machineID() string {
+	for _, p := range []string{"/etc/machine-id", "/var/lib/dbus/machine-id"} {
+		if b, err := os.ReadFile(p); err == nil {
+			if id := strings.TrimSpace(string(b)); id != "" {
+				return id
+			}
+		}
+	}
+	name, _ := os.Hostname()
+	return name
 }

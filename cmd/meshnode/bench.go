@@ -58,8 +58,10 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	netnsDelay := fs.String("netns-delay", "", "with --mesh: also run each node in its own network namespace, each hop between nodes delayed this much (netem, else a delay relay; e.g. 1ms; 0 = none; needs root)")
 	netnsOnly := fs.Bool("netns-only", false, "with --mesh and --netns-delay: skip the loopback meshes")
 	gpuPerNode := fs.Bool("gpu-per-node", false, "with --mesh: node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES)")
+	workDir := fs.String("work-dir", "", "with --mesh: the folder for the nodes' data and logs, whose logs stay after the run (default: a temporary one, removed unless a run fails)")
 	profileDir := fs.String("profile-dir", "", "with --mesh: after measuring, save a CPU profile of every node (go tool pprof) decoding at the first and last --streams count into this folder")
-	pipelining := fs.Bool("pipelining", false, "with --mesh: nodes keep one micro-batch in flight per stage (serve --pipelining)")
+	var pipelining ggufstage.Switch
+	fs.Var(switchFlag{&pipelining}, "pipelining", "with --mesh: the nodes' serve --pipelining: auto (their default: when every stage has a GPU of its own, as with --gpu-per-node), on, off")
 	prefill := fs.Int("prefill", 512, "with --mesh: prompt tokens per stream of the prefill measurement; -1 skips it")
 	wire := fs.String("wire-dtype", "", "with --mesh: activations between stages (f16 or f32; default the nodes')")
 	busyPoll := fs.String("busy-poll", "", "with --mesh: the nodes' --busy-poll (auto, off or a duration; default the nodes')")
@@ -92,7 +94,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		mc := bench.MeshConfig{
 			Model: cfg.Model, Streams: cfg.Streams, DecodeTokens: cfg.DecodeTokens, Runs: cfg.Runs,
 			Threads: cfg.Threads, SkipLoopback: *netnsOnly, PrefillTokens: *prefill,
-			ProfileDir: *profileDir,
+			ProfileDir: *profileDir, WorkDir: *workDir,
 		}
 		set := map[string]bool{}
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -105,8 +107,8 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		if cfg.Device != "" && cfg.Device != "auto" {
 			mc.NodeArgs = append(mc.NodeArgs, "--device", cfg.Device)
 		}
-		if *pipelining {
-			mc.NodeArgs = append(mc.NodeArgs, "--pipelining")
+		if pipelining != ggufstage.Auto {
+			mc.NodeArgs = append(mc.NodeArgs, "--pipelining="+pipelining.String())
 		}
 		if *wire != "" {
 			mc.NodeArgs = append(mc.NodeArgs, "--wire-dtype", *wire)

@@ -11,7 +11,7 @@ import (
 
 // TestFlashAttnFlag parses --flash-attn the ways users write it: the bare
 // boolean form of earlier versions, a value, a config file's boolean, the
-// environment, and nonsense; then --build-ahead and --decode-graphs.
+// environment, and nonsense; then --build-ahead, --decode-graphs and --pipelining.
 func TestFlashAttnFlag(t *testing.T) {
 	tests := []struct {
 		name    string
@@ -29,10 +29,11 @@ func TestFlashAttnFlag(t *testing.T) {
 		{"environment", nil, "on", ggufstage.On, false},
 		{"nonsense", []string{"--flash-attn=maybe"}, "", ggufstage.Auto, true},
 	}
-	// --build-ahead and --decode-graphs take the same values; each is
-	// checked on its own field.
+	// --build-ahead, --decode-graphs and --pipelining take the same
+	// values; each is checked on its own field.
 	buildAhead := func(f *nodeFlags) ggufstage.Switch { return f.cfg.BuildAhead }
 	decodeGraphs := func(f *nodeFlags) ggufstage.Switch { return f.cfg.DecodeGraphs }
+	pipelining := func(f *nodeFlags) ggufstage.Switch { return f.cfg.Pipelining }
 	for _, tc := range []struct {
 		args  []string
 		field func(*nodeFlags) ggufstage.Switch
@@ -44,6 +45,9 @@ func TestFlashAttnFlag(t *testing.T) {
 		{nil, decodeGraphs, ggufstage.Auto},
 		{[]string{"--decode-graphs=on"}, decodeGraphs, ggufstage.On},
 		{[]string{"--decode-graphs=off"}, decodeGraphs, ggufstage.Off},
+		{nil, pipelining, ggufstage.Auto},
+		{[]string{"--pipelining"}, pipelining, ggufstage.On}, // a boolean before auto existed
+		{[]string{"--pipelining=off"}, pipelining, ggufstage.Off},
 	} {
 		f, err := parseServe(tc.args)
 		if err != nil || tc.field(f) != tc.want {

@@ -22,6 +22,7 @@ func sampleMeta(name string) Meta {
 		HTTP:     "127.0.0.1:8080",
 		Engine:   "ggml",
 		Backend:  "cpu",
+		Compute:  "5f0c6e8a91d2b374",
 		MemTotal: 16 << 30,
 		MemFree:  8 << 30,
 		Speed:    12.5,

@@ -79,7 +79,10 @@ type Meta struct {
 	// announced) means Engine alone.
 	Engines []string
 	// Backend is the compute backend (cpu, metal, cuda, …).
-	Backend  string
+	Backend string
+	// Compute names the hardware this node's layers run on (a hash of
+	// its machine and device): stages with equal values take turns on it.
+	Compute  string
 	MemTotal uint64
 	MemFree  uint64
 	Speed    float64
@@ -136,6 +139,7 @@ type cold struct {
 	H  string      `json:"h,omitempty"`
 	E  string      `json:"e,omitempty"`
 	B  string      `json:"b,omitempty"`
+	CO string      `json:"co,omitempty"`
 	ES []string    `json:"es,omitempty"`
 	M  []wireModel `json:"m,omitempty"`
 	SV []wireServe `json:"sv,omitempty"`
@@ -173,7 +177,7 @@ type wireSummary struct {
 const maxStateStr = 32
 
 func toCold(m Meta) cold {
-	c := cold{N: m.Name, A: m.Addrs, H: m.HTTP, E: m.Engine, B: m.Backend, ES: m.Engines}
+	c := cold{N: m.Name, A: m.Addrs, H: m.HTTP, E: m.Engine, B: m.Backend, CO: m.Compute, ES: m.Engines}
 	for _, x := range m.Models {
 		c.M = append(c.M, wireModel{I: x.ID, N: x.Name, F: x.HasFile, S: x.Split, C: x.Context, P: x.Parallel, U: x.Source, E: x.Engine})
 	}
@@ -197,7 +201,7 @@ func toHotBye(m Meta, bye bool) hot {
 }
 
 func (c cold) apply(m *Meta) {
-	m.Name, m.Addrs, m.HTTP, m.Engine, m.Backend, m.Engines = c.N, c.A, c.H, c.E, c.B, c.ES
+	m.Name, m.Addrs, m.HTTP, m.Engine, m.Backend, m.Compute, m.Engines = c.N, c.A, c.H, c.E, c.B, c.CO, c.ES
 	m.Models, m.Serving, m.Pins = nil, nil, nil
 	for _, x := range c.M {
 		m.Models = append(m.Models, ModelRef{ID: x.I, Name: x.N, HasFile: x.F, Split: x.S, Context: x.C, Parallel: x.P, Source: x.U, Engine: x.E})

@@ -1,0 +1,36 @@
+package node
+
+import "testing"
+
+// TestOwnHardware: --pipelining auto pipelines only a route whose stages
+// each run on hardware no other stage uses.
+func TestOwnHardware(t *testing.T) {
+	tests := []struct {
+		name    string
+		compute []string
+		want    bool
+	}{
+		{"two machines", []string{"a", "b"}, true},
+		{"three GPUs", []string{"a", "b", "c"}, true},
+		{"one machine's cores", []string{"a", "a"}, false},
+		{"two of three share", []string{"a", "b", "a"}, false},
+		{"a node that does not say", []string{"a", ""}, false},
+	}
+	for _, tt := range tests {
+		if got := ownHardware(tt.compute); got != tt.want {
+			t.Errorf("%s: ownHardware(%q) = %v, want %v", tt.name, tt.compute, got, tt.want)
+		}
+	}
+}
+
+// TestComputeID: processes on one machine name the same device alike,
+// and tell its CPU and two GPUs apart.
+func TestComputeID(t *testing.T) {
+	cpu, gpu0, gpu1 := computeID("cpu"), computeID("cuda:0000:19:00.0"), computeID("cuda:0000:3b:00.0")
+	if cpu != computeID("cpu") {
+		t.Errorf("the CPU is %s, then %s", cpu, computeID("cpu"))
+	}
+	if cpu == gpu0 || gpu0 == gpu1 || cpu == gpu1 {
+		t.Errorf("cpu %s, GPUs %s and %s: want three names", cpu, gpu0, gpu1)
+	}
+}
