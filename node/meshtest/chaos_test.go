@@ -29,8 +29,9 @@ const (
 // the entry and holds the model file; node 2 holds the middle stage), waits
 // for what must follow, and undoes what can be undone.
 type chaosFault struct {
-	name   string
-	relays bool // the mesh's hops go through delay relays
+	name       string
+	relays     bool // the mesh's hops go through delay relays
+	pipelining bool // every stage holds a micro-batch: a fault finds several in flight
 	// inject breaks the mesh; t0 is when.
 	inject func(t *testing.T, m *nsMesh) (t0 time.Time)
 	// after waits for the mesh to take the fault in, then undoes it where
@@ -50,7 +51,8 @@ type chaosRow struct {
 // TestChaos: a 3-node mesh of stories260K, every node in a network
 // namespace of its own, under a stream of concurrent greedy streaming
 // requests through node 1, while the test (a) kills the middle stage with
-// SIGKILL, (b) freezes it with SIGSTOP (then SIGCONT), (c) cuts its link
+// SIGKILL (also with --pipelining on, so that the fault finds a batch on
+// every stage), (b) freezes it with SIGSTOP (then SIGCONT), (c) cuts its link
 // (ip link set down, then up), (d) delays the hop between the first two
 // stages by 50 ms each way (a userspace relay: this kernel may have no
 // netem). Each fault gets a fresh mesh. Every request must complete with
@@ -62,6 +64,7 @@ func TestChaos(t *testing.T) {
 	needNetns(t)
 	faults := []chaosFault{
 		{name: "SIGKILL middle stage", inject: injectSignal(syscall.SIGKILL), after: afterLoss(nil)},
+		{name: "SIGKILL middle stage, pipelined", pipelining: true, inject: injectSignal(syscall.SIGKILL), after: afterLoss(nil)},
 		{name: "SIGSTOP middle stage", inject: injectSignal(syscall.SIGSTOP), after: afterLoss(func(m *nsMesh) error {
 			return m.nodes[1].proc.cmd.Process.Signal(syscall.SIGCONT)
 		})},
@@ -83,7 +86,7 @@ func runChaos(t *testing.T, f chaosFault) chaosRow {
 	if f.relays {
 		needNetns(t, "nft")
 	}
-	m := startNSMesh(t, stories, 3, nsMeshOptions{relays: f.relays})
+	m := startNSMesh(t, stories, 3, nsMeshOptions{relays: f.relays, pipelining: f.pipelining})
 	entry := m.nodes[0]
 	for _, p := range chaosPrompts {
 		stories.greedy(t, p, chaosMaxTokens) // the references, before the clock runs

@@ -175,7 +175,8 @@ func chaosNodeArgs(nw *nsNet, i int, dataDir, keyFile string) []string {
 }
 
 type nsMeshOptions struct {
-	relays bool // every node's libp2p traffic to the others through a delay relay
+	relays     bool // every node's libp2p traffic to the others through a delay relay
+	pipelining bool // --pipelining=on: a micro-batch in flight on every stage
 }
 
 func startNSMesh(t *testing.T, model *testModel, n int, opts nsMeshOptions) *nsMesh {
@@ -199,14 +200,19 @@ func startNSMesh(t *testing.T, model *testModel, n int, opts nsMeshOptions) *nsM
 		nd := &meshNode{name: fmt.Sprintf("node%d", i), url: nw.api(i), apiKey: m.apiKey, dataDir: dirs[i-1]}
 		m.nodes = append(m.nodes, nd)
 	}
+	var extra []string
+	if opts.pipelining {
+		// The namespaces share one machine, which auto would not pipeline.
+		extra = []string{"--pipelining=on"}
+	}
 	serve := append([]string{"netns", "exec", nw.ns(1), binPath, "serve", "--split", "--model", model.path,
-		"--ctx", fmt.Sprint(ctxLen)}, chaosNodeArgs(nw, 1, dirs[0], keyFile)...)
+		"--ctx", fmt.Sprint(ctxLen)}, append(chaosNodeArgs(nw, 1, dirs[0], keyFile), extra...)...)
 	m.nodes[0].proc = startProc(t, "node1", "ip", serve...)
 	jm := m.nodes[0].proc.waitLine(t, joinRE, formTimeout)
 	m.join, m.key = jm[1], jm[2]
 	for i := 2; i <= n; i++ {
 		args := append([]string{"netns", "exec", nw.ns(i), binPath, "join", m.join, "--mesh-key", m.key},
-			chaosNodeArgs(nw, i, dirs[i-1], keyFile)...)
+			append(chaosNodeArgs(nw, i, dirs[i-1], keyFile), extra...)...)
 		m.nodes[i-1].proc = startProc(t, m.nodes[i-1].name, "ip", args...)
 	}
 	for _, nd := range m.nodes {
