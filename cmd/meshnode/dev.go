@@ -13,6 +13,9 @@ Tools:
   gen-model   write a random-weight GGUF of a real shape (llama, qwen2, qwen3;
               f32, f16, q8_0, q4_0, q4_k) with a working tokenizer, for tests
               and benchmarks
+  check-split check that a split run gives the whole run's greedy tokens
+  kernel-report
+              GPU time per kernel from deploy/gpu/ktrace.c's records
 
 Examples:
   meshnode dev gen-model --preset 1b --type q4_0 --out /tmp/1b-q4_0.gguf
@@ -24,6 +27,8 @@ Examples:
 		return runGenModel(ctx, args[1:])
 	case "check-split":
 		return runCheckSplit(ctx, args[1:])
+	case "kernel-report":
+		return runKernelReport(ctx, args[1:])
 	}
-	return fmt.Errorf("unknown dev tool %q (try: gen-model)", args[0])
+	return fmt.Errorf("unknown dev tool %q (try: gen-model, check-split, kernel-report)", args[0])
 }

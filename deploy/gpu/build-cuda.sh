@@ -53,4 +53,22 @@ cmake --build "$build" --target ggml-cuda -j "$jobs"
 mkdir -p "$out/lib/ollama"
 cp -a "$build"/lib/ollama/libggml-cuda.so* "$build"/lib/ollama/libggml-base.so* "$out/lib/ollama/"
 echo "installed CUDA backend in $out/lib/ollama"
+
+# ktrace.c, where the toolkit has CUPTI: GPU time kernel by kernel, without a
+# profiler (see the file's header).
+cuda_root="$(dirname "$(dirname "$(command -v nvcc)")")"
+cupti_h="$(find -L "$cuda_root" /usr/local/cuda*/extras -name cupti.h -path '*include*' 2>/dev/null | head -1 || true)"
+cupti_so="$(find -L "$cuda_root" /usr/local/cuda*/extras -name 'libcupti.so*' 2>/dev/null | head -1 || true)"
+if [ -n "$cupti_h" ] && [ -n "$cupti_so" ]; then
+  krec="$(grep -rho 'CUpti_ActivityKernel[0-9]*;' "$(dirname "$cupti_h")" | tr -d ';' | sort -V | tail -1)"
+  if gcc -O2 -shared -fPIC -DKREC="$krec" -I"$(dirname "$cupti_h")" -I"$cuda_root/include" \
+    "$(dirname "$0")/ktrace.c" -o "$out/lib/libmeshnode-ktrace.so" \
+    -L"$(dirname "$cupti_so")" -lcupti -lpthread -Wl,-rpath,"$(dirname "$cupti_so")"; then
+    echo "kernel tracer: CUDA_INJECTION64_PATH=$out/lib/libmeshnode-ktrace.so (deploy/gpu/ktrace.c)"
+  else
+    echo "kernel tracer not built: gcc failed on deploy/gpu/ktrace.c"
+  fi
+else
+  echo "kernel tracer not built: no CUPTI in $cuda_root"
+fi
 echo "export OLLAMA_LIBRARY_PATH=$out/lib/ollama"
