@@ -2,8 +2,8 @@
 // profiler. CUDA loads it into a process through CUDA_INJECTION64_PATH and
 // it records every kernel with CUPTI's activity API:
 //
-//   KTRACE_DIR=/tmp/kt CUDA_INJECTION64_PATH=bin/lib/libmeshnode-ktrace.so \
-//     meshnode bench --model M --device cuda --streams 1 --no-reference
+//   export KTRACE_DIR=/tmp/kt CUDA_INJECTION64_PATH=bin/lib/libmeshnode-ktrace.so
+//   meshnode bench --model M --device cuda --streams 1 --no-reference
 //   meshnode dev kernel-report --per 128 /tmp/kt/k.*.txt
 //
 // Every 0.5 s it writes KTRACE_DIR/k.<pid>.txt (a whole file each time, by
