@@ -6,7 +6,10 @@ import (
 	"math"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
+
+	"github.com/ollama/ollama/ml"
 
 	"github.com/meshnode/meshnode/stage"
 )
@@ -268,5 +271,17 @@ func TestGreedyThroughF16Wire(t *testing.T) {
 	split.close()
 	if !slices.Equal(got, want) {
 		t.Fatalf("f16 wire tokens differ:\n got %v\nwant %v", got, want)
+	}
+}
+
+// TestDeviceBandwidthUnknownDevice: a device ggml has not registered is an
+// error that names it, not a crash or a zero speed.
+func TestDeviceBandwidthUnknownDevice(t *testing.T) {
+	if _, err := Devices(storiesPath); err != nil { // loads the backends
+		t.Fatal(err)
+	}
+	_, err := DeviceBandwidth(ml.DeviceInfo{DeviceID: ml.DeviceID{ID: "GPU-none", Library: "CUDA"}})
+	if err == nil || !(strings.Contains(err.Error(), "GPU-none") || strings.Contains(err.Error(), "repack tag")) {
+		t.Fatalf("measuring a device that is not there: %v", err)
 	}
 }

@@ -3,6 +3,7 @@ package ggufstage
 import (
 	"os"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/ollama/ollama/ml"
@@ -113,4 +114,23 @@ func needGPU(t *testing.T) []ml.DeviceInfo {
 		t.Skipf("no GPU backend loaded (OLLAMA_LIBRARY_PATH=%q): build one with deploy/gpu/build-cuda.sh on a machine with a GPU", os.Getenv("OLLAMA_LIBRARY_PATH"))
 	}
 	return devs
+}
+
+// TestGPUBandwidth: ggml's copy on the GPU streams memory faster than the
+// host's CPU threads read it (on an H200, about 4 TB/s against tens of
+// GB/s): it is what the planner weighs a GPU node by.
+func TestGPUBandwidth(t *testing.T) {
+	devs := needGPU(t)
+	gpu, err := DeviceBandwidth(devs[0])
+	if err != nil {
+		if strings.Contains(err.Error(), "repack tag") {
+			t.Skip(err)
+		}
+		t.Fatal(err)
+	}
+	cpu := ReadBandwidth(0, 256<<20)
+	t.Logf("%s %s: %.0f GB/s; CPU threads: %.0f GB/s", devs[0].Library, devs[0].Description, gpu/1e9, cpu/1e9)
+	if gpu <= cpu {
+		t.Errorf("the GPU copies at %.1f GB/s, no faster than the CPU reads (%.1f GB/s)", gpu/1e9, cpu/1e9)
+	}
 }

@@ -774,8 +774,20 @@ func (m *mesh) probeDevice(mm *meshModel) {
 		if m.cfg.MaxMemory > 0 {
 			budget = min(budget, m.cfg.MaxMemory)
 		}
+		// Decode streams a stage's weights once a token: weigh this node by
+		// its GPU's bandwidth, not its host CPU's.
+		speed := 0.0
+		if bw, err := ggufstage.DeviceBandwidth(d); err != nil {
+			m.log.Warn("the planner weighs this node by its CPU's memory bandwidth", zap.Error(err))
+		} else {
+			speed = bw / 1e9
+		}
 		m.mu.Lock()
 		m.budget = budget
+		if speed > 0 {
+			m.speed, m.meta.Speed = speed, speed
+		}
+		speed = m.speed
 		m.meta.Backend = strings.ToLower(d.Library)
 		// ggml numbers GPUs after CUDA_VISIBLE_DEVICES filters them: the
 		// PCI address tells two processes' "GPU 0" apart.
@@ -783,7 +795,7 @@ func (m *mesh) probeDevice(mm *meshModel) {
 		m.meta.MemFree = budget
 		m.meta.MemTotal = d.TotalMemory
 		m.mu.Unlock()
-		m.event("device", "layers will run on %s %s (%s free)", d.Library, d.Description, HumanBytes(d.FreeMemory))
+		m.event("device", "layers will run on %s %s (%s free, %.0f GB/s)", d.Library, d.Description, HumanBytes(d.FreeMemory), speed)
 		if w := busyPollWindow(m.cfg.BusyPoll, true); w != busyPollWindow(m.cfg.BusyPoll, false) {
 			// The host is idle while the GPU computes: spend a core to
 			// take each hop's message the moment it lands.
