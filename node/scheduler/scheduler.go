@@ -118,7 +118,6 @@ type Scheduler struct {
 	nextID   atomic.Uint64
 
 	// Pipelining state, Run's alone.
-	nextLane int       // round-robin lane of the next admitted sequence
 	fillLane int       // the lane nextGroup tries first
 	flights  []*flight // batches in flight, oldest first
 
@@ -335,8 +334,7 @@ func (s *Scheduler) Run(ctx context.Context) error {
 			waiting = waiting[1:]
 			q.opened = true
 			q.waitUntil = time.Time{}
-			q.lane = s.nextLane
-			s.nextLane++
+			q.lane = laneFor(active, s.lanes())
 			active = append(active, q)
 		}
 		s.mu.Lock()
@@ -557,6 +555,25 @@ func (s *Scheduler) stepPipelined(ctx context.Context, sub Submitter, active []*
 	}
 	s.apply(f.group, f.take, f.outs, toks)
 	return slices.DeleteFunc(active, func(q *seq) bool { return q.events == nil }), nil
+}
+
+// lanes is how many lanes the pipeline keeps in flight (1 unpipelined).
+func (s *Scheduler) lanes() int {
+	if sub, ok := s.pipe.(Submitter); ok {
+		return max(sub.Lanes(), 1)
+	}
+	return 1
+}
+
+// laneFor is the lane a new sequence joins: the one with the fewest active
+// sequences, the lowest on ties, so that micro-batches stay even as
+// sequences of different lengths come and go.
+func laneFor(active []*seq, lanes int) int {
+	count := make([]int, lanes)
+	for _, q := range active {
+		count[q.lane%lanes]++
+	}
+	return slices.Index(count, slices.Min(count))
 }
 
 // nextGroup picks the lane whose sequences go in next and returns those

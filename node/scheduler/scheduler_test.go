@@ -631,3 +631,34 @@ func TestPipelinedKeepsStagesBusy(t *testing.T) {
 		}
 	}
 }
+
+// TestLaneFor: a new sequence joins the lane with the fewest, so lanes
+// stay even when sequences of one lane finish first.
+func TestLaneFor(t *testing.T) {
+	seqs := func(lanes ...int) []*seq {
+		var out []*seq
+		for _, l := range lanes {
+			out = append(out, &seq{lane: l})
+		}
+		return out
+	}
+	tests := []struct {
+		name   string
+		active []*seq
+		lanes  int
+		want   int
+	}{
+		{"none yet", nil, 2, 0},
+		{"round robin from even", seqs(0), 2, 1},
+		{"fill the emptied lane", seqs(0, 0, 0, 1), 2, 1},
+		{"lane 0 emptied", seqs(1, 1, 1), 2, 0},
+		{"three lanes, the middle short", seqs(0, 0, 1, 2, 2), 3, 1},
+		{"route shrank to one stage", seqs(0, 1, 2), 1, 0},
+		{"lanes of a longer route fold", seqs(0, 2, 3), 2, 1}, // 2 and 0 share lane 0
+	}
+	for _, tt := range tests {
+		if got := laneFor(tt.active, tt.lanes); got != tt.want {
+			t.Errorf("%s: lane %d, want %d", tt.name, got, tt.want)
+		}
+	}
+}
