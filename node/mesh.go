@@ -1442,23 +1442,31 @@ func (p *meshPipe) Lanes() int {
 	if !ok {
 		return 1
 	}
-	switch p.m.cfg.Pipelining {
-	case ggufstage.Off:
-		return 1
-	case ggufstage.On:
-		return len(r.Route())
+	if p.m.cfg.Pipelining != ggufstage.Auto {
+		return p.m.lanesOf(r)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.lanesOf != r {
-		route := r.Route()
-		p.lanesOf, p.lanes = r, 1
-		if len(route) > 1 && ownHardware(p.m.computeOf(route)) {
-			p.lanes = len(route)
-			p.m.event("pipeline", "the %d stages run on hardware of their own: a micro-batch in flight on each (--pipelining auto)", len(route))
+		p.lanesOf, p.lanes = r, p.m.lanesOf(r)
+		if p.lanes > 1 {
+			p.m.event("pipeline", "the %d stages run on hardware of their own: a micro-batch in flight on each (--pipelining auto)", p.lanes)
 		}
 	}
 	return p.lanes
+}
+
+// lanesOf is how many micro-batches --pipelining keeps in flight through
+// r: one per stage, or 1.
+func (m *mesh) lanesOf(r *pipeline.Pipeline) int {
+	route := r.Route()
+	switch {
+	case m.cfg.Pipelining == ggufstage.Off:
+		return 1
+	case m.cfg.Pipelining == ggufstage.On, ownHardware(m.computeOf(route)):
+		return len(route)
+	}
+	return 1
 }
 
 // ownHardware says whether every stage runs on hardware no other stage

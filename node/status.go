@@ -9,6 +9,7 @@ import (
 
 	"github.com/meshnode/meshnode/node/admin"
 	"github.com/meshnode/meshnode/node/membership"
+	"github.com/meshnode/meshnode/node/pipeline"
 )
 
 // The status types are admin's (GET /api/status); these names remain for
@@ -37,6 +38,13 @@ func (m *mesh) status() Status {
 			Context: mm.ref.Context, Parallel: mm.ref.Parallel}
 	}
 	st.Ready = pipe != nil
+	switch r := pipe.(type) {
+	case *pipeline.Pipeline:
+		st.Lanes = m.lanesOf(r)
+	case nil:
+	default:
+		st.Lanes = 1 // the whole model in this process
+	}
 	ob := m.obs.snapshot()
 	self := m.obs.selfStats()
 

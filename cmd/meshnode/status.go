@@ -342,7 +342,11 @@ func renderStatus(w io.Writer, url string, st *admin.Status, color bool) {
 			}
 			chain = append(chain, part)
 		}
-		fmt.Fprintf(w, "  pipeline  %s\n", strings.Join(chain, " → "))
+		pipelined := ""
+		if st.Lanes > 1 {
+			pipelined = fmt.Sprintf(" · pipelined: %d micro-batches in flight", st.Lanes)
+		}
+		fmt.Fprintf(w, "  pipeline  %s%s\n", strings.Join(chain, " → "), pipelined)
 	} else {
 		fmt.Fprintf(w, "  pipeline  (none)\n")
 	}

@@ -268,6 +268,11 @@ func TestStatusMesh(t *testing.T) {
 		return true
 	})
 	checkServing(t, st, a.Layers, b.Layers, "4:5")
+	// The nodes share this machine's cores: --pipelining auto keeps one
+	// batch in flight.
+	if st.Lanes != 1 {
+		t.Errorf("lanes %d, want 1 for stages on one machine", st.Lanes)
+	}
 	pa, pb, pc := st.Plan[0].Node, st.Plan[1].Node, st.Plan[2].Node
 	if st.Self != pa || !nodeOf(st, pa).Self || st.Version != "test" {
 		t.Errorf("self %s (version %q), plan starts at %s", st.Self, st.Version, pa)
@@ -536,4 +541,31 @@ func TestDashboard(t *testing.T) {
 		t.Fatalf("no screenshot at %s: %v", shot, err)
 	}
 	t.Logf("dashboard screenshot: %s", shot)
+}
+
+// TestRenderPipelined: the pipeline line says when the node pipelines.
+func TestRenderPipelined(t *testing.T) {
+	for _, tt := range []struct {
+		lanes int
+		want  string
+	}{
+		{1, ""},
+		{2, " · pipelined: 2 micro-batches in flight"},
+	} {
+		st := &admin.Status{Schema: admin.SchemaVersion, Self: "peerA", Ready: true, Lanes: tt.lanes,
+			Plan: []admin.Stage{{Node: "peerA", Start: 0, End: 3, Up: true}, {Node: "peerB", Start: 3, End: 5, Up: true}},
+			Nodes: []admin.Node{{PeerID: "peerA", ShortID: "peerA", Name: "a", Self: true, State: admin.StateReady},
+				{PeerID: "peerB", ShortID: "peerB", Name: "b", State: admin.StateReady}}}
+		var b strings.Builder
+		renderStatus(&b, "http://127.0.0.1:8080", st, false)
+		var line string
+		for _, l := range strings.Split(b.String(), "\n") {
+			if strings.HasPrefix(strings.TrimSpace(l), "pipeline ") {
+				line = l
+			}
+		}
+		if line == "" || !strings.HasSuffix(line, "[3,5)"+tt.want) {
+			t.Errorf("lanes %d: pipeline line %q, want it to end %q", tt.lanes, line, "[3,5)"+tt.want)
+		}
+	}
 }

@@ -38,6 +38,10 @@ type Status struct {
 	// Plan is the pipeline: the stages in order, covering every layer.
 	// Empty when no placement exists (not enough nodes or memory).
 	Plan []Stage `json:"plan"`
+	// Lanes is how many micro-batches a request's node keeps in flight
+	// through the pipeline: one per stage when it pipelines (serve
+	// --pipelining), else 1; 0 when there is no pipeline.
+	Lanes int `json:"lanes,omitempty"`
 	// Hops are the network legs of a request that enters at the answering
 	// node: to the first stage, between stages, and from the last stage
 	// back (the sampled token). A hop within one node has From == To.
