@@ -39,6 +39,7 @@
 //	    {"node": "12D3KooWR…k3Pq9b", "name": "mac-2", "start": 3, "end": 5, "share": 0.4,
 //	     "up": true, "compute_ms": 0.3, "tokens_per_second": 212.4}
 //	  ],
+//	  "lanes": 2,
 //	  "hops": [
 //	    {"from": "…x7Yz2a", "to": "…x7Yz2a", "rtt_ms": 0, "bytes": null},
 //	    {"from": "…x7Yz2a", "to": "…k3Pq9b", "rtt_ms": 0.21, "bytes": 1048576},
