@@ -74,6 +74,7 @@ type MeshRow struct {
 	Tokens     int     // completion tokens of all streams (last run)
 	FirstToken time.Duration
 	Plan       []node.StatusStage // node 1's plan while it was measured
+	Lanes      int                // micro-batches node 1 kept in flight (status lanes)
 	// Step is the mean forward pass through the whole pipeline as node 1's
 	// scheduler waited for it, and Compute each node's mean stage pass
 	// (from the nodes' /metrics): what is neither is hops, framing and
@@ -303,7 +304,7 @@ func mergeRounds(rounds [][]MeshRow) []MeshRow {
 			if r.Greedy != first.Greedy {
 				row.Greedy = "(differs between rounds)"
 			}
-			row.Plan, row.Tokens, row.Compute = r.Plan, r.Tokens, r.Compute
+			row.Plan, row.Lanes, row.Tokens, row.Compute = r.Plan, r.Lanes, r.Tokens, r.Compute
 			steps = append(steps, r.Step.Seconds())
 			prefill = append(prefill, r.PrefillTPS)
 		}
@@ -343,7 +344,7 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages, roun
 	if err := m.start(ctx, stages, info); err != nil {
 		return nil, err
 	}
-	plan, err := m.waitReady(ctx, stages)
+	plan, lanes, err := m.waitReady(ctx, stages)
 	if err != nil {
 		return nil, err
 	}
@@ -391,7 +392,7 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages, roun
 		fmt.Fprintf(log, "round %d  %s  stages %d  streams %d  prefill %8.1f tok/s  decode %8.2f tok/s  (%d tokens, median first token %.2f s; load average %s)\n",
 			run+1, nw.name, stages, n, prefill, tps, total, median(ft), loadAverage())
 		rows = append(rows, MeshRow{Network: nw.name, Stages: stages, Streams: n, DecodeTPS: tps, Tokens: total,
-			FirstToken: time.Duration(median(ft) * float64(time.Second)), Plan: plan, Greedy: greedy[0].text,
+			FirstToken: time.Duration(median(ft) * float64(time.Second)), Plan: plan, Lanes: lanes, Greedy: greedy[0].text,
 			Step: step, Compute: compute, PrefillTPS: prefill})
 	}
 	if cfg.ProfileDir != "" {
@@ -931,13 +932,14 @@ func (m *meshRun) status(ctx context.Context) (node.Status, error) {
 // stages, every member serves its stage of it and is ready, node 1 has a
 // pipeline, and every node's /health is 200 — twice in a row, half a second
 // apart, so that a plan in the middle of changing is not taken as settled.
-func (m *meshRun) waitReady(ctx context.Context, stages int) ([]node.StatusStage, error) {
+func (m *meshRun) waitReady(ctx context.Context, stages int) (plan []node.StatusStage, lanes int, err error) {
 	deadline := time.Now().Add(m.cfg.ReadyTimeout)
 	var last string
 	settled := 0
 	why := "node 1 to start"
 	for {
-		plan, reason := m.readyOnce(ctx, stages)
+		var reason string
+		plan, lanes, reason = m.readyOnce(ctx, stages)
 		if reason == "" {
 			if p := planText(plan); p == last {
 				settled++
@@ -945,7 +947,7 @@ func (m *meshRun) waitReady(ctx context.Context, stages int) ([]node.StatusStage
 				last, settled = p, 1
 			}
 			if settled >= 2 {
-				return plan, nil
+				return plan, lanes, nil
 			}
 			reason = "the plan to stay put"
 		} else {
@@ -953,26 +955,27 @@ func (m *meshRun) waitReady(ctx context.Context, stages int) ([]node.StatusStage
 		}
 		why = reason
 		if err := m.wait(ctx, deadline, why); err != nil {
-			return nil, err
+			return nil, 0, err
 		}
 		if settled > 0 {
 			select {
 			case <-ctx.Done():
-				return nil, ctx.Err()
+				return nil, 0, ctx.Err()
 			case <-time.After(250 * time.Millisecond):
 			}
 		}
 	}
 }
 
-// readyOnce returns node 1's plan, or why the mesh is not ready yet.
-func (m *meshRun) readyOnce(ctx context.Context, stages int) ([]node.StatusStage, string) {
+// readyOnce returns node 1's plan and lanes, or why the mesh is not ready
+// yet.
+func (m *meshRun) readyOnce(ctx context.Context, stages int) ([]node.StatusStage, int, string) {
 	st, err := m.status(ctx)
 	if err != nil {
-		return nil, "node 1's /api/status"
+		return nil, 0, "node 1's /api/status"
 	}
 	if len(st.Plan) != stages {
-		return nil, fmt.Sprintf("a plan of %d stages (node 1 has %d)", stages, len(st.Plan))
+		return nil, 0, fmt.Sprintf("a plan of %d stages (node 1 has %d)", stages, len(st.Plan))
 	}
 	live := 0
 	for _, n := range st.Nodes {
@@ -981,10 +984,10 @@ func (m *meshRun) readyOnce(ctx context.Context, stages int) ([]node.StatusStage
 		}
 	}
 	if live != stages {
-		return nil, fmt.Sprintf("%d members (node 1 sees %d)", stages, live)
+		return nil, 0, fmt.Sprintf("%d members (node 1 sees %d)", stages, live)
 	}
 	if !st.Ready {
-		return nil, "node 1's pipeline"
+		return nil, 0, "node 1's pipeline"
 	}
 	byPeer := map[string]node.StatusNode{}
 	for _, n := range st.Nodes {
@@ -993,28 +996,28 @@ func (m *meshRun) readyOnce(ctx context.Context, stages int) ([]node.StatusStage
 	for _, s := range st.Plan {
 		n, ok := byPeer[s.Node]
 		if !ok || n.State != "ready" {
-			return nil, fmt.Sprintf("node …%s to be ready", shortPeer(s.Node))
+			return nil, 0, fmt.Sprintf("node …%s to be ready", shortPeer(s.Node))
 		}
 		serves := false
 		for _, sv := range n.Serving {
 			serves = serves || (sv.Start == s.Start && sv.End == s.End)
 		}
 		if !serves {
-			return nil, fmt.Sprintf("node …%s to load layers [%d,%d)", shortPeer(s.Node), s.Start, s.End)
+			return nil, 0, fmt.Sprintf("node …%s to load layers [%d,%d)", shortPeer(s.Node), s.Start, s.End)
 		}
 	}
 	for _, p := range m.procs {
 		resp, err := m.get(ctx, p.url+"/health")
 		if err != nil {
-			return nil, fmt.Sprintf("node %d's /health", p.index)
+			return nil, 0, fmt.Sprintf("node %d's /health", p.index)
 		}
 		io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()
 		if resp.StatusCode != http.StatusOK {
-			return nil, fmt.Sprintf("node %d's /health (%s)", p.index, resp.Status)
+			return nil, 0, fmt.Sprintf("node %d's /health (%s)", p.index, resp.Status)
 		}
 	}
-	return st.Plan, ""
+	return st.Plan, st.Lanes, ""
 }
 
 func freePort() (int, error) {
@@ -1249,14 +1252,23 @@ func loadAverage() string {
 
 // PrintMesh writes the mesh table.
 func PrintMesh(w io.Writer, rows []MeshRow) {
+	piped := false
 	fmt.Fprintf(w, "\n%-14s %6s %-18s %7s %14s %13s %10s %12s %9s  %s\n", "network", "stages", "layers", "streams", "prefill tok/s", "decode tok/s", "×1-stage", "first tok s", "step ms", "stage compute ms, the rest")
 	for _, r := range rows {
 		ratio := ""
 		if r.Ratio > 0 {
 			ratio = fmt.Sprintf("%.2f", r.Ratio)
 		}
-		fmt.Fprintf(w, "%-14s %6d %-18s %7d %14.1f %13.2f %10s %12.2f %9s  %s\n", r.Network, r.Stages, planLayers(r.Plan), r.Streams, r.PrefillTPS, r.DecodeTPS, ratio, r.FirstToken.Seconds(),
+		stages := fmt.Sprint(r.Stages)
+		if r.Lanes > 1 {
+			stages += "*"
+			piped = true
+		}
+		fmt.Fprintf(w, "%-14s %6s %-18s %7d %14.1f %13.2f %10s %12.2f %9s  %s\n", r.Network, stages, planLayers(r.Plan), r.Streams, r.PrefillTPS, r.DecodeTPS, ratio, r.FirstToken.Seconds(),
 			millis(r.Step), stepText(r.Step, r.Compute))
+	}
+	if piped {
+		fmt.Fprintln(w, "(*: pipelined, a micro-batch in flight on every stage)")
 	}
 	fmt.Fprintln(w, "(step: one forward pass through every stage as node 1 waits for it; the rest: hops, framing and scheduling, which overlap with compute when lanes pipeline)")
 	header := false

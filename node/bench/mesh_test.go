@@ -267,3 +267,25 @@ meshnode_stage_passes_allocated_ahead_total{stage="0-2"} %g
 		t.Fatalf("phaseText without phases = %q, want empty", got)
 	}
 }
+
+// TestPrintMeshPipelined: a mesh whose node 1 pipelined is marked, with a
+// footnote; one that did not is not.
+func TestPrintMeshPipelined(t *testing.T) {
+	var b strings.Builder
+	PrintMesh(&b, []MeshRow{
+		{Network: "loopback", Stages: 1, Streams: 8, DecodeTPS: 100, Ratio: 1, Lanes: 1},
+		{Network: "loopback", Stages: 2, Streams: 8, DecodeTPS: 113, Ratio: 1.13, Lanes: 2},
+	})
+	out := b.String()
+	if !strings.Contains(out, "loopback           2*") || !strings.Contains(out, "(*: pipelined") {
+		t.Errorf("the pipelined mesh is not marked:\n%s", out)
+	}
+	if strings.Contains(out, "1*") {
+		t.Errorf("the 1-stage mesh is marked:\n%s", out)
+	}
+	b.Reset()
+	PrintMesh(&b, []MeshRow{{Network: "loopback", Stages: 2, Streams: 8, DecodeTPS: 90, Lanes: 1}})
+	if strings.Contains(b.String(), "*") {
+		t.Errorf("an unpipelined table has a mark:\n%s", b.String())
+	}
+}
