@@ -112,7 +112,6 @@ static void meshnode_advise_plain(struct ggml_tensor * t) {
 import "C"
 
 import (
-	"reflect"
 	"strings"
 	"unsafe"
 
@@ -153,15 +152,7 @@ func newRepacker() *repacker {
 // unexported; its layout is fixed by the exact ollama version pinned in
 // go.mod, and TestRepackedMatchesPlain fails if this ever goes wrong.
 func cTensor(t ml.Tensor) *C.struct_ggml_tensor {
-	v := reflect.ValueOf(t)
-	if v.Kind() != reflect.Pointer || v.Elem().Kind() != reflect.Struct {
-		return nil
-	}
-	f := v.Elem().FieldByName("t")
-	if !f.IsValid() || f.Kind() != reflect.Pointer {
-		return nil
-	}
-	return (*C.struct_ggml_tensor)(unsafe.Pointer(f.Pointer()))
+	return (*C.struct_ggml_tensor)(pointerField(t, "t"))
 }
 
 // take re-homes target from data into a layout with a faster CPU kernel,

@@ -109,25 +109,21 @@ type schedGraph struct {
 
 // graphOf returns the ggml graph behind gctx, once it exists (after
 // gctx.Forward), or nil if the field is not there.
-func graphOf(gctx ml.Context) unsafe.Pointer {
-	v := reflect.ValueOf(gctx)
-	if v.Kind() != reflect.Pointer || v.Elem().Kind() != reflect.Struct {
-		return nil
-	}
-	graph := v.Elem().FieldByName("graph")
-	if !graph.IsValid() || graph.Kind() != reflect.Pointer || graph.IsNil() {
-		return nil
-	}
-	return graph.UnsafePointer()
-}
+func graphOf(gctx ml.Context) unsafe.Pointer { return pointerField(gctx, "graph") }
 
 // schedOf returns the scheduler ollama made for backend.
-func schedOf(backend ml.Backend) unsafe.Pointer {
-	v := reflect.ValueOf(backend)
+func schedOf(backend ml.Backend) unsafe.Pointer { return pointerField(backend, "sched") }
+
+// pointerField returns the pointer in the unexported field name of the
+// struct x points to, or nil when x is no such pointer, the field is not
+// there or not a pointer, or it is nil. The fields' layout is fixed by the
+// exact ollama version pinned in go.mod.
+func pointerField(x any, name string) unsafe.Pointer {
+	v := reflect.ValueOf(x)
 	if v.Kind() != reflect.Pointer || v.Elem().Kind() != reflect.Struct {
 		return nil
 	}
-	f := v.Elem().FieldByName("sched")
+	f := v.Elem().FieldByName(name)
 	if !f.IsValid() || f.Kind() != reflect.Pointer || f.IsNil() {
 		return nil
 	}
