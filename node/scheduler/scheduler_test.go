@@ -55,16 +55,25 @@ type fixture struct {
 	stop  func()
 }
 
-func newFixture(t *testing.T, cfg Config) *fixture {
+// openStories opens the whole stories260K model for maxSeqs sequences,
+// and its tokenizer; the caller closes the engine.
+func openStories(t *testing.T, maxSeqs int) (*ggufstage.Engine, *ggufstage.Tokenizer) {
 	t.Helper()
-	eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 8, Context: 512})
+	eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: maxSeqs, Context: 512})
 	if err != nil {
 		t.Fatal(err)
 	}
 	tok, err := ggufstage.LoadTokenizer(storiesPath)
 	if err != nil {
+		eng.Close()
 		t.Fatal(err)
 	}
+	return eng, tok
+}
+
+func newFixture(t *testing.T, cfg Config) *fixture {
+	t.Helper()
+	eng, tok := openStories(t, 8)
 	s := New(Local(eng), tok, cfg, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -322,12 +331,8 @@ func TestReplayAfterPipelineFailure(t *testing.T) {
 	}{{"greedy", greedy()}, {"seeded", sampled}} {
 		t.Run(tc.name, func(t *testing.T) {
 			run := func(failAt int) (string, Stats) {
-				eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 4, Context: 512})
-				if err != nil {
-					t.Fatal(err)
-				}
+				eng, tok := openStories(t, 4)
 				defer eng.Close()
-				tok, _ := ggufstage.LoadTokenizer(storiesPath)
 				pipe := &flaky{Pipeline: Local(eng), failAt: failAt, refuseOpen: 5}
 				s := New(pipe, tok, Config{Parallel: 2, RecoverTimeout: 10 * time.Second}, nil)
 				ctx, cancel := context.WithCancel(context.Background())
@@ -394,12 +399,8 @@ func TestRecoveriesBoundFailuresWithoutProgress(t *testing.T) {
 		{"every pass fails from the 4th", func(c int) bool { return c >= 4 }, true, 4},
 	}
 	run := func(fails func(int) bool) (string, Event, Stats) {
-		eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 4, Context: 512})
-		if err != nil {
-			t.Fatal(err)
-		}
+		eng, tok := openStories(t, 4)
 		defer eng.Close()
-		tok, _ := ggufstage.LoadTokenizer(storiesPath)
 		s := New(&failing{Pipeline: Local(eng), fails: fails}, tok, Config{Parallel: 2, RecoverTimeout: 5 * time.Second, MaxRecoveries: 3}, nil)
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
@@ -476,12 +477,8 @@ const longPrompt = "Once upon a time, there was a little girl named Lily. She lo
 // goes in chunks of BatchTokens/2, several in flight before the first
 // result is awaited, and generates the text it generates unpipelined.
 func TestPipelinedPromptChunks(t *testing.T) {
-	eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 2, Context: 512})
-	if err != nil {
-		t.Fatal(err)
-	}
+	eng, tok := openStories(t, 2)
 	defer eng.Close()
-	tok, _ := ggufstage.LoadTokenizer(storiesPath)
 	ids, _ := tok.Encode(longPrompt, true)
 	if len(ids) < 100 {
 		t.Fatalf("the long prompt is %d tokens; the test needs over 100", len(ids))
@@ -531,12 +528,8 @@ func TestPipelinedPromptChunks(t *testing.T) {
 func TestPipelinedMatchesSequential(t *testing.T) {
 	prompts := []string{"Once upon a time", "The little dog", "Lily and Tom", "One day, a bird", "The sun was", "Max liked to", longPrompt}
 	run := func(pipe func(Pipeline) Pipeline) ([]string, Stats) {
-		eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 8, Context: 512})
-		if err != nil {
-			t.Fatal(err)
-		}
+		eng, tok := openStories(t, 8)
 		defer eng.Close()
-		tok, _ := ggufstage.LoadTokenizer(storiesPath)
 		// A small batch budget, so that the long prompt goes in chunks.
 		s := New(pipe(Local(eng)), tok, Config{Parallel: 8, BatchTokens: 96}, nil)
 		ctx, cancel := context.WithCancel(context.Background())
@@ -580,12 +573,8 @@ func TestPipelinedMatchesSequential(t *testing.T) {
 // lane's batch is awaited, so that both stages always hold a batch.
 // Submitting a batch per lane and then awaiting both left one idle.
 func TestPipelinedKeepsStagesBusy(t *testing.T) {
-	eng, err := ggufstage.Open(storiesPath, 0, 5, ggufstage.Options{Threads: 1, MaxSeqs: 8, Context: 512})
-	if err != nil {
-		t.Fatal(err)
-	}
+	eng, tok := openStories(t, 8)
 	defer eng.Close()
-	tok, _ := ggufstage.LoadTokenizer(storiesPath)
 	l := &lanes{Pipeline: Local(eng), n: 2}
 	s := New(l, tok, Config{Parallel: 8, BatchTokens: 96}, nil)
 	// Every request is queued before Run starts, so that both lanes fill
