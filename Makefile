@@ -45,15 +45,17 @@ test: llamacpp-ref portable-check
 	$(GO) test -race -count=1 -timeout 20m ./stage/... ./node/ ./node/pipeline/ ./node/planner/ ./node/membership/ ./node/openai/ ./node/text/ ./node/sample/ ./node/wire/ ./node/weights/ ./node/admin/ ./ggufstage/gguf/
 	$(MAKE) fuzz
 
-# Each fuzz target runs for FUZZTIME on top of its committed seed corpus.
+# Each fuzz target runs for FUZZTIME on top of its committed seed corpus
+# (.ci/fuzz: a run that Go's fuzztime deadline race ends is tried again).
 FUZZTIME ?= 10s
+FUZZ = GO='$(GO)' FUZZTIME=$(FUZZTIME) .ci/fuzz
 fuzz:
-	$(GO) test -tags '$(TAGS)' -run '^$$' -fuzz '^FuzzRead$$' -fuzztime $(FUZZTIME) ./ggufstage/gguf/
-	$(GO) test -run '^$$' -fuzz '^FuzzDecodeFrame$$' -fuzztime $(FUZZTIME) ./node/wire/
-	$(GO) test -run '^$$' -fuzz '^FuzzRender$$' -fuzztime $(FUZZTIME) ./node/text/
-	$(GO) test -run '^$$' -fuzz '^FuzzStream$$' -fuzztime $(FUZZTIME) ./node/text/
-	$(GO) test -run '^$$' -fuzz '^FuzzRequest$$' -fuzztime $(FUZZTIME) ./node/openai/
-	$(GO) test -tags '$(TAGS)' -run '^$$' -fuzz '^FuzzTokenizer$$' -fuzztime $(FUZZTIME) ./ggufstage/
+	$(FUZZ) FuzzRead ./ggufstage/gguf/ -tags '$(TAGS)'
+	$(FUZZ) FuzzDecodeFrame ./node/wire/
+	$(FUZZ) FuzzRender ./node/text/
+	$(FUZZ) FuzzStream ./node/text/
+	$(FUZZ) FuzzRequest ./node/openai/
+	$(FUZZ) FuzzTokenizer ./ggufstage/ -tags '$(TAGS)'
 
 # meshnode's own kernels (ggufstage/*.cpp) pick their instructions with
 # target attributes, so they must compile for the portable release target
