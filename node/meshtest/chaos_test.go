@@ -43,7 +43,7 @@ type chaosRow struct {
 	name               string
 	started, completed int
 	failed, lost, dup  int
-	inflight           int           // requests in flight when the fault came
+	inflight           int           // requests in flight once the fault was in place
 	stall              time.Duration // longest silence after the fault
 	note               string
 }
@@ -98,7 +98,11 @@ func runChaos(t *testing.T, f chaosFault) chaosRow {
 	// fault finds streams in flight.
 	l.waitDone(t, time.Time{}, chaosClients, 30*time.Second)
 	t0 := f.inject(t, m)
-	row := chaosRow{name: f.name, inflight: l.inFlightSince(t0)}
+	// Counted once the fault is surely in place: a fault that takes a
+	// command to inject (ip link) may take longer than a whole request on
+	// a loaded machine, so the requests running at t0 may all have ended
+	// before it bit; those running now run under it.
+	row := chaosRow{name: f.name, inflight: l.inFlight()}
 	row.note = f.after(t, m, l, t0)
 	// The mesh serves on: every client completes a request started now.
 	l.waitDone(t, time.Now(), chaosClients, 60*time.Second)

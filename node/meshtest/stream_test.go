@@ -169,17 +169,11 @@ func (l *load) snapshot() []streamResult {
 	return slices.Clone(l.results)
 }
 
-// inFlightSince is how many requests in flight started before t.
-func (l *load) inFlightSince(t time.Time) int {
+// inFlight is how many requests are in flight now.
+func (l *load) inFlight() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	n := 0
-	for _, s := range l.running {
-		if s.Before(t) {
-			n++
-		}
-	}
-	return n
+	return len(l.running)
 }
 
 // waitDone waits until n requests started after t have ended (whatever
