@@ -30,6 +30,14 @@
 // The arithmetic avoids per-architecture math routines, so nodes of
 // different architectures agree when their logits do.
 //
+// # Log-probabilities
+//
+// LogprobOf gives a sampled token's log-probability and the likeliest
+// alternatives under the model's own distribution: the softmax of the raw
+// logits, before penalties, temperature and filters, normalized in float64
+// over the whole vocabulary. The last stage computes them beside the
+// sampler for the sequences that ask (Params.Logprobs).
+//
 // A Sampler reuses its scratch space, so sampling does not allocate in the
 // steady state, and it never sorts the vocabulary: top-k keeps a heap of the
 // k best, top-p partitions like quickselect.

@@ -28,6 +28,11 @@ type Params struct {
 	RepeatLastN      int
 	FrequencyPenalty float32 // -2..2
 	PresencePenalty  float32 // -2..2
+
+	// Logprobs asks for each sampled token's log-probability (see
+	// LogprobOf), with TopLogprobs (0..MaxTopLogprobs) alternatives.
+	Logprobs    bool
+	TopLogprobs int
 }
 
 // DefaultParams are OpenAI's defaults: temperature 1, no filters, no
@@ -60,6 +65,10 @@ func (p Params) Validate() error {
 		return bad("frequency_penalty", p.FrequencyPenalty, "-2 to 2")
 	case !(p.PresencePenalty >= -2 && p.PresencePenalty <= 2):
 		return bad("presence_penalty", p.PresencePenalty, "-2 to 2")
+	case p.TopLogprobs < 0 || p.TopLogprobs > MaxTopLogprobs:
+		return bad("top_logprobs", p.TopLogprobs, fmt.Sprintf("0 to %d", MaxTopLogprobs))
+	case p.TopLogprobs > 0 && !p.Logprobs:
+		return bad("top_logprobs", p.TopLogprobs, "0 unless logprobs is set")
 	}
 	return nil
 }
