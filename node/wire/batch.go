@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 
+	"github.com/meshnode/meshnode/node/sample"
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
 	"github.com/meshnode/meshnode/stage"
 )
@@ -248,11 +249,13 @@ func convert(data []byte, from, to stage.DType) ([]byte, error) {
 // Sampled is a last stage's answer to one step: the token sampled for each
 // output row of the step, in the step's order. Pos is the position each
 // token will take (its row's position + 1). A step without output rows is
-// answered with no rows.
+// answered with no rows. Logprobs is empty, or holds one entry per row
+// (zero for the rows whose sequence did not ask for them).
 type Sampled struct {
-	Seqs   []stage.SeqID
-	Pos    []int32
-	Tokens []int32
+	Seqs     []stage.SeqID
+	Pos      []int32
+	Tokens   []int32
+	Logprobs []sample.Logprob
 }
 
 // Rows is the number of sampled tokens.
@@ -276,6 +279,21 @@ func EncodeSampled(step uint64, s *Sampled) (*meshnodev1.Frame, error) {
 			return nil, badBatch("row %d has position %d, token id %d", r, s.Pos[r], s.Tokens[r])
 		}
 	}
+	if len(s.Logprobs) != 0 && len(s.Logprobs) != n {
+		return nil, badBatch("%d rows but %d log-probabilities", n, len(s.Logprobs))
+	}
+	var lps []*meshnodev1.TokenLogprob
+	for r, lp := range s.Logprobs {
+		pb := &meshnodev1.TokenLogprob{Logprob: lp.Logprob}
+		for _, c := range lp.Top {
+			pb.TopTokenIds = append(pb.TopTokenIds, c.Token)
+			pb.TopLogprobs = append(pb.TopLogprobs, c.Logprob)
+		}
+		if err := checkLogprob(pb, math.MaxInt32); err != nil {
+			return nil, badBatch("row %d: %v", r, err)
+		}
+		lps = append(lps, pb)
+	}
 	return &meshnodev1.Frame{
 		Version: Version,
 		Step:    step,
@@ -283,8 +301,35 @@ func EncodeSampled(step uint64, s *Sampled) (*meshnodev1.Frame, error) {
 			SeqIds:    seqsToProto(s.Seqs),
 			Positions: tokensOrNil(s.Pos),
 			TokenIds:  tokensOrNil(s.Tokens),
+			Logprobs:  lps,
 		}},
 	}, nil
+}
+
+// checkLogprob validates one row's log-probabilities: values <= 0 (-Inf
+// allowed, NaN not), at most sample.MaxTopLogprobs alternatives with ids
+// below maxVocab.
+func checkLogprob(lp *meshnodev1.TokenLogprob, maxVocab int) error {
+	logprob := func(v float32) bool { return v <= 0 } // false for NaN
+	if !logprob(lp.GetLogprob()) {
+		return fmt.Errorf("log-probability %v is not <= 0", lp.GetLogprob())
+	}
+	ids, vals := lp.GetTopTokenIds(), lp.GetTopLogprobs()
+	if len(ids) != len(vals) {
+		return fmt.Errorf("%d alternative tokens but %d log-probabilities", len(ids), len(vals))
+	}
+	if len(ids) > sample.MaxTopLogprobs {
+		return fmt.Errorf("%d alternatives, over the limit of %d", len(ids), sample.MaxTopLogprobs)
+	}
+	for i, v := range vals {
+		if !logprob(v) {
+			return fmt.Errorf("alternative %d has log-probability %v, not <= 0", i, v)
+		}
+	}
+	if err := checkTokenIDs(ids, maxVocab); err != nil {
+		return fmt.Errorf("alternatives: %w", err)
+	}
+	return nil
 }
 
 // DecodeSampled validates a tokens frame sent back by a last stage: any
@@ -313,14 +358,32 @@ func DecodeSampled(f *meshnodev1.Frame, lim Limits) (*Sampled, error) {
 		if len(t.GetTokenIds()) != rows {
 			return fmt.Errorf("%d rows but %d token ids", rows, len(t.GetTokenIds()))
 		}
+		if n := len(t.GetLogprobs()); n != 0 && n != rows {
+			return fmt.Errorf("%d rows but %d log-probabilities", rows, n)
+		}
+		for r, lp := range t.GetLogprobs() {
+			if err := checkLogprob(lp, lim.MaxVocab); err != nil {
+				return fmt.Errorf("row %d: %w", r, err)
+			}
+		}
 		return checkTokenIDs(t.GetTokenIds(), lim.MaxVocab)
 	}
 	if err := check(); err != nil {
 		return nil, frameErr(f, "sampled tokens", err)
 	}
-	return &Sampled{
+	s := &Sampled{
 		Seqs:   seqsFromProto(t.GetSeqIds()),
 		Pos:    t.GetPositions(),
 		Tokens: t.GetTokenIds(),
-	}, nil
+	}
+	if lps := t.GetLogprobs(); len(lps) != 0 {
+		s.Logprobs = make([]sample.Logprob, len(lps))
+		for r, lp := range lps {
+			s.Logprobs[r].Logprob = lp.GetLogprob()
+			for i, id := range lp.GetTopTokenIds() {
+				s.Logprobs[r].Top = append(s.Logprobs[r].Top, sample.TopLogprob{Token: id, Logprob: lp.GetTopLogprobs()[i]})
+			}
+		}
+	}
+	return s, nil
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 
+	"github.com/meshnode/meshnode/node/sample"
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
 	"github.com/meshnode/meshnode/stage"
 )
@@ -58,6 +59,9 @@ type Sampling struct {
 	RepeatLastN      int     // 0 is the default window, -1 the whole history
 	FrequencyPenalty float32 // [-2, 2]
 	PresencePenalty  float32 // [-2, 2]
+
+	Logprobs    bool // return each token's log-probability
+	TopLogprobs int  // with this many alternatives, [0, sample.MaxTopLogprobs]
 }
 
 func (s *Sampling) check(maxVocab int) error {
@@ -79,6 +83,10 @@ func (s *Sampling) check(maxVocab int) error {
 		return fmt.Errorf("sampling frequency_penalty %v outside [-2,2]", s.FrequencyPenalty)
 	case !finite(s.PresencePenalty) || s.PresencePenalty < -2 || s.PresencePenalty > 2:
 		return fmt.Errorf("sampling presence_penalty %v outside [-2,2]", s.PresencePenalty)
+	case s.TopLogprobs < 0 || s.TopLogprobs > sample.MaxTopLogprobs:
+		return fmt.Errorf("sampling top_logprobs %d outside [0,%d]", s.TopLogprobs, sample.MaxTopLogprobs)
+	case s.TopLogprobs > 0 && !s.Logprobs:
+		return fmt.Errorf("sampling top_logprobs %d without logprobs", s.TopLogprobs)
 	}
 	return nil
 }
@@ -148,6 +156,8 @@ func EncodeControl(step uint64, c Control) (*meshnodev1.Frame, error) {
 			RepeatLastN:      int32(s.RepeatLastN),
 			FrequencyPenalty: s.FrequencyPenalty,
 			PresencePenalty:  s.PresencePenalty,
+			Logprobs:         s.Logprobs,
+			TopLogprobs:      uint32(s.TopLogprobs),
 		}
 	}
 	return &meshnodev1.Frame{
@@ -185,6 +195,9 @@ func DecodeControl(f *meshnodev1.Frame, lim Limits) (Control, error) {
 		if uint64(s.GetTopK()) > uint64(lim.MaxVocab) {
 			return Control{}, frameErr(f, "control", fmt.Errorf("sampling top_k %d over the limit of %d", s.GetTopK(), lim.MaxVocab))
 		}
+		if s.GetTopLogprobs() > sample.MaxTopLogprobs {
+			return Control{}, frameErr(f, "control", fmt.Errorf("sampling top_logprobs %d over the limit of %d", s.GetTopLogprobs(), sample.MaxTopLogprobs))
+		}
 		c.Sampling = &Sampling{
 			Temperature:      s.GetTemperature(),
 			TopK:             int(s.GetTopK()),
@@ -195,6 +208,8 @@ func DecodeControl(f *meshnodev1.Frame, lim Limits) (Control, error) {
 			RepeatLastN:      int(s.GetRepeatLastN()),
 			FrequencyPenalty: s.GetFrequencyPenalty(),
 			PresencePenalty:  s.GetPresencePenalty(),
+			Logprobs:         s.GetLogprobs(),
+			TopLogprobs:      int(s.GetTopLogprobs()),
 		}
 	}
 	if err := c.check(lim); err != nil {

@@ -17,6 +17,7 @@ func TestControlRoundTrip(t *testing.T) {
 	for _, c := range []Control{
 		{Op: OpOpen, Seq: 1},
 		{Op: OpOpen, Seq: math.MaxUint64, Sampling: &Sampling{Temperature: 0.7, TopK: 40, TopP: 0.9, MinP: 0.05, Seed: 12345}},
+		{Op: OpOpen, Seq: 5, Sampling: &Sampling{Logprobs: true, TopLogprobs: 20}},
 		{Op: OpTrim, Seq: 2, Pos: 0},
 		{Op: OpTrim, Seq: 2, Pos: math.MaxInt32},
 		{Op: OpRelease, Seq: 3},
@@ -57,6 +58,9 @@ func TestControlRejects(t *testing.T) {
 		{"min_p infinite", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{MinP: float32(math.Inf(1))}}, "min_p"},
 		{"top_k over vocab", Limits{MaxVocab: 100}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{TopK: 101}}, "top_k 101"},
 		{"top_k huge", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{TopK: math.MaxUint32}}, "top_k 4294967295"},
+		{"top_logprobs over 20", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{Logprobs: true, TopLogprobs: 21}}, "top_logprobs 21"},
+		{"top_logprobs huge", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{Logprobs: true, TopLogprobs: math.MaxUint32}}, "top_logprobs 4294967295"},
+		{"top_logprobs without logprobs", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{TopLogprobs: 2}}, "without logprobs"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -12,6 +12,7 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/meshnode/meshnode/node/sample"
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
 	"github.com/meshnode/meshnode/stage"
 )
@@ -62,6 +63,9 @@ func fuzzSeeds(t testing.TB) map[string][]byte {
 	add("valid-setup", f, err)
 	f, err = EncodeSampled(9, &Sampled{Seqs: []stage.SeqID{1, 2}, Pos: []int32{5, 9}, Tokens: []int32{3, 4}})
 	add("valid-sampled", f, err)
+	f, err = EncodeSampled(13, &Sampled{Seqs: []stage.SeqID{1}, Pos: []int32{5}, Tokens: []int32{3},
+		Logprobs: []sample.Logprob{{Logprob: -0.5, Top: []sample.TopLogprob{{Token: 3, Logprob: -0.5}, {Token: 1, Logprob: -2}}}}})
+	add("valid-sampled-logprobs", f, err)
 	f, err = EncodeControl(10, Control{Op: OpOpen, Seq: 3, History: []int32{1, 2, 3}, Sampling: &Sampling{RepeatPenalty: 1.1, RepeatLastN: -1}})
 	add("valid-control-history", f, err)
 	add("valid-hop-error", EncodeHopError(11, 2, stage.ErrNoSlot), nil)

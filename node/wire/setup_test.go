@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/meshnode/meshnode/node/sample"
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
 	"github.com/meshnode/meshnode/stage"
 )
@@ -144,6 +145,10 @@ func TestSampled(t *testing.T) {
 	for _, s := range []*Sampled{
 		{},
 		{Seqs: []stage.SeqID{3, math.MaxUint64}, Pos: []int32{8, math.MaxInt32}, Tokens: []int32{0, 151935}},
+		{Seqs: []stage.SeqID{3, 4}, Pos: []int32{8, 2}, Tokens: []int32{0, 7}, Logprobs: []sample.Logprob{
+			{Logprob: -0.25, Top: []sample.TopLogprob{{Token: 0, Logprob: -0.25}, {Token: 9, Logprob: float32(math.Inf(-1))}}},
+			{}, // a row whose sequence did not ask
+		}},
 	} {
 		f, err := EncodeSampled(4, s)
 		if err != nil {
@@ -153,7 +158,8 @@ func TestSampled(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got.Rows() != s.Rows() || !slices.Equal(got.Seqs, s.Seqs) || !slices.Equal(got.Pos, s.Pos) || !slices.Equal(got.Tokens, s.Tokens) {
+		if got.Rows() != s.Rows() || !slices.Equal(got.Seqs, s.Seqs) || !slices.Equal(got.Pos, s.Pos) || !slices.Equal(got.Tokens, s.Tokens) ||
+			!slices.EqualFunc(got.Logprobs, s.Logprobs, func(a, b sample.Logprob) bool { return a.Logprob == b.Logprob && slices.Equal(a.Top, b.Top) }) {
 			t.Fatalf("got %+v, want %+v", got, s)
 		}
 	}
@@ -168,6 +174,13 @@ func TestSampled(t *testing.T) {
 		{"short tokens", &meshnodev1.Tokens{SeqIds: []uint64{1, 2}, Positions: []int32{1, 2}, TokenIds: []int32{1}}, Limits{}, "token ids"},
 		{"over vocab", &meshnodev1.Tokens{SeqIds: []uint64{1}, Positions: []int32{1}, TokenIds: []int32{64}}, Limits{MaxVocab: 64}, "token id 64"},
 		{"too many rows", &meshnodev1.Tokens{SeqIds: []uint64{1, 2, 3}, Positions: []int32{1, 2, 3}, TokenIds: []int32{1, 2, 3}}, Limits{MaxRows: 2}, "over the limit"},
+		{"logprobs for some rows", &meshnodev1.Tokens{SeqIds: []uint64{1, 2}, Positions: []int32{1, 2}, TokenIds: []int32{1, 2}, Logprobs: []*meshnodev1.TokenLogprob{{}}}, Limits{}, "1 log-probabilities"},
+		{"positive logprob", &meshnodev1.Tokens{SeqIds: []uint64{1}, Positions: []int32{1}, TokenIds: []int32{1}, Logprobs: []*meshnodev1.TokenLogprob{{Logprob: 0.5}}}, Limits{}, "not <= 0"},
+		{"NaN logprob", &meshnodev1.Tokens{SeqIds: []uint64{1}, Positions: []int32{1}, TokenIds: []int32{1}, Logprobs: []*meshnodev1.TokenLogprob{{Logprob: float32(math.NaN())}}}, Limits{}, "not <= 0"},
+		{"NaN alternative", &meshnodev1.Tokens{SeqIds: []uint64{1}, Positions: []int32{1}, TokenIds: []int32{1}, Logprobs: []*meshnodev1.TokenLogprob{{TopTokenIds: []int32{1}, TopLogprobs: []float32{float32(math.NaN())}}}}, Limits{}, "alternative 0"},
+		{"alternatives unpaired", &meshnodev1.Tokens{SeqIds: []uint64{1}, Positions: []int32{1}, TokenIds: []int32{1}, Logprobs: []*meshnodev1.TokenLogprob{{TopTokenIds: []int32{1, 2}, TopLogprobs: []float32{-1}}}}, Limits{}, "2 alternative tokens but 1"},
+		{"alternative over vocab", &meshnodev1.Tokens{SeqIds: []uint64{1}, Positions: []int32{1}, TokenIds: []int32{1}, Logprobs: []*meshnodev1.TokenLogprob{{TopTokenIds: []int32{64}, TopLogprobs: []float32{-1}}}}, Limits{MaxVocab: 64}, "token id 64"},
+		{"too many alternatives", &meshnodev1.Tokens{SeqIds: []uint64{1}, Positions: []int32{1}, TokenIds: []int32{1}, Logprobs: []*meshnodev1.TokenLogprob{{TopTokenIds: make([]int32, 21), TopLogprobs: make([]float32, 21)}}}, Limits{}, "21 alternatives"},
 	} {
 		f := &meshnodev1.Frame{Version: Version, Body: &meshnodev1.Frame_Tokens{Tokens: tc.tok}}
 		if _, err := DecodeSampled(viaWire(t, f), tc.lim); !errors.Is(err, ErrBadFrame) || !strings.Contains(err.Error(), tc.want) {
@@ -176,6 +189,9 @@ func TestSampled(t *testing.T) {
 	}
 	if _, err := EncodeSampled(1, &Sampled{Seqs: []stage.SeqID{1}, Pos: []int32{1}}); !errors.Is(err, ErrBadBatch) {
 		t.Fatalf("encoding without tokens: %v", err)
+	}
+	if _, err := EncodeSampled(1, &Sampled{Seqs: []stage.SeqID{1}, Pos: []int32{1}, Tokens: []int32{1}, Logprobs: []sample.Logprob{{Logprob: 1}}}); !errors.Is(err, ErrBadBatch) {
+		t.Fatalf("encoding a positive log-probability: %v", err)
 	}
 }
 

@@ -222,7 +222,7 @@ func (x SeqControl_Op) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use SeqControl_Op.Descriptor instead.
 func (SeqControl_Op) EnumDescriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{6, 0}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{7, 0}
 }
 
 type Error_Code int32
@@ -294,7 +294,7 @@ func (x Error_Code) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Error_Code.Descriptor instead.
 func (Error_Code) EnumDescriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{8, 0}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{9, 0}
 }
 
 // Frame is the unit of a Forward stream.
@@ -796,7 +796,11 @@ type Tokens struct {
 	// Token id of each row, >= 0.
 	TokenIds []int32 `protobuf:"varint,3,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
 	// As Activations.output_rows; input only.
-	OutputRows    []uint32 `protobuf:"varint,4,rep,packed,name=output_rows,json=outputRows,proto3" json:"output_rows,omitempty"`
+	OutputRows []uint32 `protobuf:"varint,4,rep,packed,name=output_rows,json=outputRows,proto3" json:"output_rows,omitempty"`
+	// From the last stage, when a row's sequence asked for them
+	// (Sampling.logprobs): empty, or one per row (empty for the rows whose
+	// sequence did not ask).
+	Logprobs      []*TokenLogprob `protobuf:"bytes,5,rep,name=logprobs,proto3" json:"logprobs,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -859,6 +863,78 @@ func (x *Tokens) GetOutputRows() []uint32 {
 	return nil
 }
 
+func (x *Tokens) GetLogprobs() []*TokenLogprob {
+	if x != nil {
+		return x.Logprobs
+	}
+	return nil
+}
+
+// TokenLogprob is a sampled token's log-probability in the softmax of the
+// raw logits (before penalties, temperature and filters), and the
+// likeliest tokens with theirs, best first.
+type TokenLogprob struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// <= 0; -inf for an impossible token.
+	Logprob     float32 `protobuf:"fixed32,1,opt,name=logprob,proto3" json:"logprob,omitempty"`
+	TopTokenIds []int32 `protobuf:"varint,2,rep,packed,name=top_token_ids,json=topTokenIds,proto3" json:"top_token_ids,omitempty"`
+	// len == len(top_token_ids).
+	TopLogprobs   []float32 `protobuf:"fixed32,3,rep,packed,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TokenLogprob) Reset() {
+	*x = TokenLogprob{}
+	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TokenLogprob) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TokenLogprob) ProtoMessage() {}
+
+func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
+	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TokenLogprob.ProtoReflect.Descriptor instead.
+func (*TokenLogprob) Descriptor() ([]byte, []int) {
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *TokenLogprob) GetLogprob() float32 {
+	if x != nil {
+		return x.Logprob
+	}
+	return 0
+}
+
+func (x *TokenLogprob) GetTopTokenIds() []int32 {
+	if x != nil {
+		return x.TopTokenIds
+	}
+	return nil
+}
+
+func (x *TokenLogprob) GetTopLogprobs() []float32 {
+	if x != nil {
+		return x.TopLogprobs
+	}
+	return nil
+}
+
 // Logits are raw next-token scores, for tests and debugging only: serving
 // samples on the last stage and sends Tokens instead.
 type Logits struct {
@@ -874,7 +950,7 @@ type Logits struct {
 
 func (x *Logits) Reset() {
 	*x = Logits{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -886,7 +962,7 @@ func (x *Logits) String() string {
 func (*Logits) ProtoMessage() {}
 
 func (x *Logits) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -899,7 +975,7 @@ func (x *Logits) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Logits.ProtoReflect.Descriptor instead.
 func (*Logits) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{5}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Logits) GetRows() uint32 {
@@ -945,7 +1021,7 @@ type SeqControl struct {
 
 func (x *SeqControl) Reset() {
 	*x = SeqControl{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -957,7 +1033,7 @@ func (x *SeqControl) String() string {
 func (*SeqControl) ProtoMessage() {}
 
 func (x *SeqControl) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -970,7 +1046,7 @@ func (x *SeqControl) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SeqControl.ProtoReflect.Descriptor instead.
 func (*SeqControl) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{6}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *SeqControl) GetOp() SeqControl_Op {
@@ -1033,13 +1109,17 @@ type Sampling struct {
 	// OpenAI style, each in [-2, 2]; 0 is off.
 	FrequencyPenalty float32 `protobuf:"fixed32,8,opt,name=frequency_penalty,json=frequencyPenalty,proto3" json:"frequency_penalty,omitempty"`
 	PresencePenalty  float32 `protobuf:"fixed32,9,opt,name=presence_penalty,json=presencePenalty,proto3" json:"presence_penalty,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Return each sampled token's log-probability (Tokens.logprobs), with
+	// this many of the likeliest tokens, at most 20.
+	Logprobs      bool   `protobuf:"varint,10,opt,name=logprobs,proto3" json:"logprobs,omitempty"`
+	TopLogprobs   uint32 `protobuf:"varint,11,opt,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Sampling) Reset() {
 	*x = Sampling{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1051,7 +1131,7 @@ func (x *Sampling) String() string {
 func (*Sampling) ProtoMessage() {}
 
 func (x *Sampling) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1064,7 +1144,7 @@ func (x *Sampling) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sampling.ProtoReflect.Descriptor instead.
 func (*Sampling) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{7}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Sampling) GetTemperature() float32 {
@@ -1130,6 +1210,20 @@ func (x *Sampling) GetPresencePenalty() float32 {
 	return 0
 }
 
+func (x *Sampling) GetLogprobs() bool {
+	if x != nil {
+		return x.Logprobs
+	}
+	return false
+}
+
+func (x *Sampling) GetTopLogprobs() uint32 {
+	if x != nil {
+		return x.TopLogprobs
+	}
+	return 0
+}
+
 // Error reports that the request with the frame's step failed.
 //
 // Going down a forward stream or up the return stream, an Error replaces the
@@ -1153,7 +1247,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1165,7 +1259,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1178,7 +1272,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{8}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Error) GetCode() Error_Code {
@@ -1211,7 +1305,7 @@ type InfoRequest struct {
 
 func (x *InfoRequest) Reset() {
 	*x = InfoRequest{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[9]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1223,7 +1317,7 @@ func (x *InfoRequest) String() string {
 func (*InfoRequest) ProtoMessage() {}
 
 func (x *InfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[9]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1236,7 +1330,7 @@ func (x *InfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InfoRequest.ProtoReflect.Descriptor instead.
 func (*InfoRequest) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{9}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{10}
 }
 
 // StageInfo describes a stage: the model and layer range it holds and how
@@ -1278,7 +1372,7 @@ type StageInfo struct {
 
 func (x *StageInfo) Reset() {
 	*x = StageInfo{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[10]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1290,7 +1384,7 @@ func (x *StageInfo) String() string {
 func (*StageInfo) ProtoMessage() {}
 
 func (x *StageInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[10]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1303,7 +1397,7 @@ func (x *StageInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageInfo.ProtoReflect.Descriptor instead.
 func (*StageInfo) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{10}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *StageInfo) GetArch() string {
@@ -1456,13 +1550,18 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\voutput_rows\x18\a \x03(\rR\n" +
 	"outputRows\x12\x1b\n" +
 	"\ttoken_ids\x18\b \x03(\x05R\btokenIds\x12\x12\n" +
-	"\x04more\x18\t \x01(\bR\x04more\"}\n" +
+	"\x04more\x18\t \x01(\bR\x04more\"\xb4\x01\n" +
 	"\x06Tokens\x12\x17\n" +
 	"\aseq_ids\x18\x01 \x03(\x04R\x06seqIds\x12\x1c\n" +
 	"\tpositions\x18\x02 \x03(\x05R\tpositions\x12\x1b\n" +
 	"\ttoken_ids\x18\x03 \x03(\x05R\btokenIds\x12\x1f\n" +
 	"\voutput_rows\x18\x04 \x03(\rR\n" +
-	"outputRows\"L\n" +
+	"outputRows\x125\n" +
+	"\blogprobs\x18\x05 \x03(\v2\x19.meshnode.v1.TokenLogprobR\blogprobs\"o\n" +
+	"\fTokenLogprob\x12\x18\n" +
+	"\alogprob\x18\x01 \x01(\x02R\alogprob\x12\"\n" +
+	"\rtop_token_ids\x18\x02 \x03(\x05R\vtopTokenIds\x12!\n" +
+	"\ftop_logprobs\x18\x03 \x03(\x02R\vtopLogprobs\"L\n" +
 	"\x06Logits\x12\x12\n" +
 	"\x04rows\x18\x01 \x01(\rR\x04rows\x12\x14\n" +
 	"\x05vocab\x18\x02 \x01(\rR\x05vocab\x12\x18\n" +
@@ -1479,7 +1578,7 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\aOP_OPEN\x10\x01\x12\v\n" +
 	"\aOP_TRIM\x10\x02\x12\x0e\n" +
 	"\n" +
-	"OP_RELEASE\x10\x03\"\xa2\x02\n" +
+	"OP_RELEASE\x10\x03\"\xe1\x02\n" +
 	"\bSampling\x12 \n" +
 	"\vtemperature\x18\x01 \x01(\x02R\vtemperature\x12\x13\n" +
 	"\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x13\n" +
@@ -1489,7 +1588,10 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\x0erepeat_penalty\x18\x06 \x01(\x02R\rrepeatPenalty\x12\"\n" +
 	"\rrepeat_last_n\x18\a \x01(\x05R\vrepeatLastN\x12+\n" +
 	"\x11frequency_penalty\x18\b \x01(\x02R\x10frequencyPenalty\x12)\n" +
-	"\x10presence_penalty\x18\t \x01(\x02R\x0fpresencePenalty\"\xa2\x02\n" +
+	"\x10presence_penalty\x18\t \x01(\x02R\x0fpresencePenalty\x12\x1a\n" +
+	"\blogprobs\x18\n" +
+	" \x01(\bR\blogprobs\x12!\n" +
+	"\ftop_logprobs\x18\v \x01(\rR\vtopLogprobs\"\xa2\x02\n" +
 	"\x05Error\x12+\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x17.meshnode.v1.Error.CodeR\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12\x15\n" +
@@ -1547,48 +1649,50 @@ func file_meshnode_v1_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_meshnode_v1_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_meshnode_v1_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_meshnode_v1_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_meshnode_v1_stage_proto_goTypes = []any{
-	(DType)(0),          // 0: meshnode.v1.DType
-	(Setup_Role)(0),     // 1: meshnode.v1.Setup.Role
-	(SeqControl_Op)(0),  // 2: meshnode.v1.SeqControl.Op
-	(Error_Code)(0),     // 3: meshnode.v1.Error.Code
-	(*Frame)(nil),       // 4: meshnode.v1.Frame
-	(*Setup)(nil),       // 5: meshnode.v1.Setup
-	(*Hop)(nil),         // 6: meshnode.v1.Hop
-	(*Activations)(nil), // 7: meshnode.v1.Activations
-	(*Tokens)(nil),      // 8: meshnode.v1.Tokens
-	(*Logits)(nil),      // 9: meshnode.v1.Logits
-	(*SeqControl)(nil),  // 10: meshnode.v1.SeqControl
-	(*Sampling)(nil),    // 11: meshnode.v1.Sampling
-	(*Error)(nil),       // 12: meshnode.v1.Error
-	(*InfoRequest)(nil), // 13: meshnode.v1.InfoRequest
-	(*StageInfo)(nil),   // 14: meshnode.v1.StageInfo
+	(DType)(0),           // 0: meshnode.v1.DType
+	(Setup_Role)(0),      // 1: meshnode.v1.Setup.Role
+	(SeqControl_Op)(0),   // 2: meshnode.v1.SeqControl.Op
+	(Error_Code)(0),      // 3: meshnode.v1.Error.Code
+	(*Frame)(nil),        // 4: meshnode.v1.Frame
+	(*Setup)(nil),        // 5: meshnode.v1.Setup
+	(*Hop)(nil),          // 6: meshnode.v1.Hop
+	(*Activations)(nil),  // 7: meshnode.v1.Activations
+	(*Tokens)(nil),       // 8: meshnode.v1.Tokens
+	(*TokenLogprob)(nil), // 9: meshnode.v1.TokenLogprob
+	(*Logits)(nil),       // 10: meshnode.v1.Logits
+	(*SeqControl)(nil),   // 11: meshnode.v1.SeqControl
+	(*Sampling)(nil),     // 12: meshnode.v1.Sampling
+	(*Error)(nil),        // 13: meshnode.v1.Error
+	(*InfoRequest)(nil),  // 14: meshnode.v1.InfoRequest
+	(*StageInfo)(nil),    // 15: meshnode.v1.StageInfo
 }
 var file_meshnode_v1_stage_proto_depIdxs = []int32{
 	7,  // 0: meshnode.v1.Frame.activations:type_name -> meshnode.v1.Activations
 	8,  // 1: meshnode.v1.Frame.tokens:type_name -> meshnode.v1.Tokens
-	9,  // 2: meshnode.v1.Frame.logits:type_name -> meshnode.v1.Logits
-	10, // 3: meshnode.v1.Frame.control:type_name -> meshnode.v1.SeqControl
-	12, // 4: meshnode.v1.Frame.error:type_name -> meshnode.v1.Error
+	10, // 2: meshnode.v1.Frame.logits:type_name -> meshnode.v1.Logits
+	11, // 3: meshnode.v1.Frame.control:type_name -> meshnode.v1.SeqControl
+	13, // 4: meshnode.v1.Frame.error:type_name -> meshnode.v1.Error
 	5,  // 5: meshnode.v1.Frame.setup:type_name -> meshnode.v1.Setup
 	1,  // 6: meshnode.v1.Setup.role:type_name -> meshnode.v1.Setup.Role
 	6,  // 7: meshnode.v1.Setup.route:type_name -> meshnode.v1.Hop
 	0,  // 8: meshnode.v1.Setup.wire_dtype:type_name -> meshnode.v1.DType
 	0,  // 9: meshnode.v1.Activations.dtype:type_name -> meshnode.v1.DType
-	2,  // 10: meshnode.v1.SeqControl.op:type_name -> meshnode.v1.SeqControl.Op
-	11, // 11: meshnode.v1.SeqControl.sampling:type_name -> meshnode.v1.Sampling
-	3,  // 12: meshnode.v1.Error.code:type_name -> meshnode.v1.Error.Code
-	0,  // 13: meshnode.v1.StageInfo.wire_dtype:type_name -> meshnode.v1.DType
-	4,  // 14: meshnode.v1.StageService.Forward:input_type -> meshnode.v1.Frame
-	13, // 15: meshnode.v1.StageService.Info:input_type -> meshnode.v1.InfoRequest
-	4,  // 16: meshnode.v1.StageService.Forward:output_type -> meshnode.v1.Frame
-	14, // 17: meshnode.v1.StageService.Info:output_type -> meshnode.v1.StageInfo
-	16, // [16:18] is the sub-list for method output_type
-	14, // [14:16] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	9,  // 10: meshnode.v1.Tokens.logprobs:type_name -> meshnode.v1.TokenLogprob
+	2,  // 11: meshnode.v1.SeqControl.op:type_name -> meshnode.v1.SeqControl.Op
+	12, // 12: meshnode.v1.SeqControl.sampling:type_name -> meshnode.v1.Sampling
+	3,  // 13: meshnode.v1.Error.code:type_name -> meshnode.v1.Error.Code
+	0,  // 14: meshnode.v1.StageInfo.wire_dtype:type_name -> meshnode.v1.DType
+	4,  // 15: meshnode.v1.StageService.Forward:input_type -> meshnode.v1.Frame
+	14, // 16: meshnode.v1.StageService.Info:input_type -> meshnode.v1.InfoRequest
+	4,  // 17: meshnode.v1.StageService.Forward:output_type -> meshnode.v1.Frame
+	15, // 18: meshnode.v1.StageService.Info:output_type -> meshnode.v1.StageInfo
+	17, // [17:19] is the sub-list for method output_type
+	15, // [15:17] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_meshnode_v1_stage_proto_init() }
@@ -1604,14 +1708,14 @@ func file_meshnode_v1_stage_proto_init() {
 		(*Frame_Error)(nil),
 		(*Frame_Setup)(nil),
 	}
-	file_meshnode_v1_stage_proto_msgTypes[8].OneofWrappers = []any{}
+	file_meshnode_v1_stage_proto_msgTypes[9].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_meshnode_v1_stage_proto_rawDesc), len(file_meshnode_v1_stage_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   11,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
