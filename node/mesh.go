@@ -1412,17 +1412,17 @@ func (p *meshPipe) Open(seq stage.SeqID, sp sample.Params, prompt []int32) error
 	return nil
 }
 
-func (p *meshPipe) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
+func (p *meshPipe) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, error) {
 	pipe, err := p.pipeOf(b)
 	if err != nil {
-		return nil, err
+		return sample.Picked{}, err
 	}
 	start := time.Now()
-	toks, err := pipe.Forward(ctx, b)
+	picked, err := pipe.Forward(ctx, b)
 	if err == nil {
-		p.m.obs.stepDone(time.Since(start), len(toks))
+		p.m.obs.stepDone(time.Since(start), len(picked.Tokens))
 	}
-	return toks, err
+	return picked, err
 }
 
 // Lanes is how many batches are kept in flight: with pipelining, one per
@@ -1499,28 +1499,28 @@ func (m *mesh) computeOf(route []pipeline.Hop) []string {
 }
 
 // Submit sends a batch without waiting for it (pipelining).
-func (p *meshPipe) Submit(ctx context.Context, b *stage.Batch) (func(context.Context) ([]int32, error), error) {
+func (p *meshPipe) Submit(ctx context.Context, b *stage.Batch) (func(context.Context) (sample.Picked, error), error) {
 	pipe, err := p.pipeOf(b)
 	if err != nil {
 		return nil, err
 	}
 	r, ok := pipe.(*pipeline.Pipeline)
 	if !ok {
-		toks, err := pipe.Forward(ctx, b)
-		return func(context.Context) ([]int32, error) { return toks, err }, nil
+		picked, err := pipe.Forward(ctx, b)
+		return func(context.Context) (sample.Picked, error) { return picked, err }, nil
 	}
 	start := time.Now()
 	call, err := r.Submit(ctx, b)
 	if err != nil {
 		return nil, err
 	}
-	return func(ctx context.Context) ([]int32, error) {
+	return func(ctx context.Context) (sample.Picked, error) {
 		res, err := call.Wait(ctx)
 		if err != nil {
-			return nil, err
+			return sample.Picked{}, err
 		}
 		p.m.obs.stepDone(time.Since(start), len(res.Tokens))
-		return res.Tokens, nil
+		return res.Picked(), nil
 	}, nil
 }
 

@@ -62,6 +62,7 @@ func (m *Model) Generate(ctx context.Context, req openai.GenerateRequest) (<-cha
 		Sampling: sample.Params{
 			Temperature: req.Temperature, TopK: req.TopK, TopP: req.TopP, MinP: req.MinP, Seed: req.Seed,
 			RepeatPenalty: req.RepeatPenalty, FrequencyPenalty: req.FrequencyPenalty, PresencePenalty: req.PresencePenalty,
+			Logprobs: req.Logprobs, TopLogprobs: req.TopLogprobs,
 		},
 	})
 	if err != nil {
@@ -118,7 +119,7 @@ func relay(ctx context.Context, in <-chan scheduler.Event, out chan<- openai.Eve
 		case ev.Err != nil:
 			record(admin.OutcomeCancelled, ev.CompletionTokens)
 		}
-		o := openai.Event{Text: ev.Text, Done: ev.Done, FinishReason: ev.FinishReason, Err: ev.Err}
+		o := openai.Event{Text: ev.Text, Logprobs: apiLogprobs(ev.Logprobs), Done: ev.Done, FinishReason: ev.FinishReason, Err: ev.Err}
 		if ev.Done || ev.Err != nil {
 			o.Usage = openai.Usage{PromptTokens: ev.PromptTokens, CompletionTokens: ev.CompletionTokens,
 				TotalTokens: ev.PromptTokens + ev.CompletionTokens}
@@ -131,4 +132,19 @@ func relay(ctx context.Context, in <-chan scheduler.Event, out chan<- openai.Eve
 			return
 		}
 	}
+}
+
+// apiLogprobs hands the scheduler's log-probabilities to the HTTP layer.
+func apiLogprobs(lps []scheduler.TokenLogprob) []openai.TokenLogprob {
+	if lps == nil {
+		return nil
+	}
+	out := make([]openai.TokenLogprob, len(lps))
+	for i, lp := range lps {
+		out[i] = openai.TokenLogprob{Token: lp.Token, Logprob: lp.Logprob, Top: make([]openai.TopLogprob, len(lp.Top))}
+		for k, t := range lp.Top {
+			out[i].Top[k] = openai.TopLogprob(t)
+		}
+	}
+	return out
 }

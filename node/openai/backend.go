@@ -71,15 +71,37 @@ type GenerateRequest struct {
 	RepeatPenalty    float32 // > 0
 	FrequencyPenalty float32 // [-2, 2]
 	PresencePenalty  float32 // [-2, 2]
+
+	// Logprobs asks for each generated token's log-probability, with
+	// TopLogprobs (0..20) alternatives.
+	Logprobs    bool
+	TopLogprobs int
 }
 
 // Event is one step of a generation.
 type Event struct {
-	Text         string // valid UTF-8, stop strings already removed
+	Text string // valid UTF-8, stop strings already removed
+	// Logprobs are those of the tokens behind Text (and of tokens of no
+	// text), when the request asked for them; each token is listed once.
+	Logprobs     []TokenLogprob
 	Done         bool
 	FinishReason string // "stop" or "length" when Done
 	Usage        Usage  // set on the final event
 	Err          error  // generation failed mid-way; the last event
+}
+
+// TokenLogprob is a generated token's log-probability (natural log, -Inf
+// for an impossible token) and the likeliest alternatives, best first.
+type TokenLogprob struct {
+	Token   string // the token's bytes; may be part of a UTF-8 character
+	Logprob float32
+	Top     []TopLogprob
+}
+
+// TopLogprob is one of the likeliest tokens at a position.
+type TopLogprob struct {
+	Token   string
+	Logprob float32
 }
 
 // Usage counts tokens as OpenAI reports them.

@@ -2,6 +2,7 @@ package openai
 
 import (
 	"context"
+	"math"
 	"sync"
 )
 
@@ -139,8 +140,12 @@ func (m *fakeModel) Generate(ctx context.Context, req GenerateRequest) (<-chan E
 			}
 		}
 		for first := true; first || m.endless; first = false {
-			for _, p := range m.pieces {
-				if !send(Event{Text: p}) {
+			for i, p := range m.pieces {
+				ev := Event{Text: p}
+				if req.Logprobs {
+					ev.Logprobs = fakeLogprobs(i, p, req.TopLogprobs)
+				}
+				if !send(ev) {
 					return
 				}
 			}
@@ -169,4 +174,13 @@ func (m *fakeModel) Generate(ctx context.Context, req GenerateRequest) (<-chan E
 		}})
 	}()
 	return ch, nil
+}
+
+// fakeLogprobs is piece i's one token: log-probability -(i+1)/4, and the
+// piece itself and "?" (impossible) as alternatives, cut to top.
+func fakeLogprobs(i int, piece string, top int) []TokenLogprob {
+	lp := TokenLogprob{Token: piece, Logprob: -float32(i+1) / 4}
+	alts := []TopLogprob{{Token: piece, Logprob: lp.Logprob}, {Token: "?", Logprob: float32(math.Inf(-1))}}
+	lp.Top = alts[:min(top, len(alts))]
+	return []TokenLogprob{lp}
 }

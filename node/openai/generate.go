@@ -122,6 +122,8 @@ func (s *server) generate(w http.ResponseWriter, r *http.Request, m Model, p *ge
 		RepeatPenalty:    p.repeatPenalty,
 		FrequencyPenalty: p.frequencyPenalty,
 		PresencePenalty:  p.presencePenalty,
+		Logprobs:         p.logprobs,
+		TopLogprobs:      p.topLogprobs,
 	})
 	if err != nil {
 		if r.Context().Err() != nil {
@@ -134,10 +136,11 @@ func (s *server) generate(w http.ResponseWriter, r *http.Request, m Model, p *ge
 	defer func() { go drain(events) }()
 
 	out := &responder{
-		id:      idPrefix(a) + rand.Text(),
-		created: time.Now().Unix(),
-		model:   info.ID,
-		api:     a,
+		id:       idPrefix(a) + rand.Text(),
+		created:  time.Now().Unix(),
+		model:    info.ID,
+		api:      a,
+		logprobs: p.logprobs,
 	}
 	if p.stream {
 		s.stream(ctx, w, r, events, out, p.includeUsage, len(prompt))
@@ -194,6 +197,7 @@ func finish(ev Event, promptLen int) (string, Usage) {
 
 func (s *server) collect(ctx context.Context, w http.ResponseWriter, r *http.Request, events <-chan Event, out *responder, promptLen int) {
 	var text strings.Builder
+	var lps []TokenLogprob
 	li := infoOf(r)
 	for {
 		ev, ok := next(ctx, events)
@@ -206,10 +210,11 @@ func (s *server) collect(ctx context.Context, w http.ResponseWriter, r *http.Req
 			return
 		}
 		text.WriteString(ev.Text)
+		lps = append(lps, ev.Logprobs...)
 		if ev.Done {
 			reason, u := finish(ev, promptLen)
 			li.completionTokens, li.finishReason = u.CompletionTokens, reason
-			s.writeJSON(w, http.StatusOK, out.full(text.String(), reason, u))
+			s.writeJSON(w, http.StatusOK, out.full(text.String(), lps, reason, u))
 			return
 		}
 	}
@@ -231,7 +236,7 @@ func (s *server) stream(ctx context.Context, w http.ResponseWriter, r *http.Requ
 
 	out.includeUsage = includeUsage
 	if out.api == chatAPI {
-		if sse.send(out.chunk(new(""), true, "")) != nil {
+		if sse.send(out.chunk(new(""), nil, true, "")) != nil {
 			return
 		}
 	} else if sse.flush() != nil {
@@ -253,8 +258,8 @@ func (s *server) stream(ctx context.Context, w http.ResponseWriter, r *http.Requ
 			_ = sse.send(e.body())
 			return
 		}
-		if ev.Text != "" {
-			if sse.send(out.chunk(&ev.Text, false, "")) != nil {
+		if ev.Text != "" || len(ev.Logprobs) != 0 && out.logprobs {
+			if sse.send(out.chunk(&ev.Text, ev.Logprobs, false, "")) != nil {
 				return
 			}
 		}
@@ -263,7 +268,7 @@ func (s *server) stream(ctx context.Context, w http.ResponseWriter, r *http.Requ
 		}
 		reason, u := finish(ev, promptLen)
 		li.completionTokens, li.finishReason = u.CompletionTokens, reason
-		if sse.send(out.chunk(nil, false, reason)) != nil {
+		if sse.send(out.chunk(nil, nil, false, reason)) != nil {
 			return
 		}
 		if includeUsage && sse.send(out.usageChunk(u)) != nil {
@@ -327,6 +332,8 @@ type responder struct {
 	model        string
 	api          api
 	includeUsage bool
+	logprobs     bool // the request asked for log-probabilities
+	offset       int  // completions' text_offset of the next token
 }
 
 type usageJSON struct {
@@ -339,7 +346,8 @@ func toUsageJSON(u Usage) usageJSON {
 	return usageJSON(u)
 }
 
-// Response objects, fields in OpenAI's order. Logprobs is always null.
+// Response objects, fields in OpenAI's order. Logprobs is null unless the
+// request asked for log-probabilities.
 type (
 	chatCompletionJSON struct {
 		ID      string           `json:"id"`
@@ -350,10 +358,10 @@ type (
 		Usage   usageJSON        `json:"usage"`
 	}
 	chatChoiceJSON struct {
-		Index        int             `json:"index"`
-		Message      chatMessageJSON `json:"message"`
-		Logprobs     *struct{}       `json:"logprobs"`
-		FinishReason string          `json:"finish_reason"`
+		Index        int               `json:"index"`
+		Message      chatMessageJSON   `json:"message"`
+		Logprobs     *chatLogprobsJSON `json:"logprobs"`
+		FinishReason string            `json:"finish_reason"`
 	}
 	chatMessageJSON struct {
 		Role    string `json:"role"`
@@ -371,10 +379,10 @@ type (
 		Usage json.RawMessage `json:"usage,omitempty"`
 	}
 	chatChunkChoiceJSON struct {
-		Index        int       `json:"index"`
-		Delta        deltaJSON `json:"delta"`
-		Logprobs     *struct{} `json:"logprobs"`
-		FinishReason *string   `json:"finish_reason"`
+		Index        int               `json:"index"`
+		Delta        deltaJSON         `json:"delta"`
+		Logprobs     *chatLogprobsJSON `json:"logprobs"`
+		FinishReason *string           `json:"finish_reason"`
 	}
 	deltaJSON struct {
 		Role    string  `json:"role,omitempty"`
@@ -391,21 +399,106 @@ type (
 		Usage   json.RawMessage        `json:"usage,omitempty"`
 	}
 	textCompletionChoice struct {
-		Text         string    `json:"text"`
-		Index        int       `json:"index"`
-		Logprobs     *struct{} `json:"logprobs"`
-		FinishReason *string   `json:"finish_reason"`
+		Text         string            `json:"text"`
+		Index        int               `json:"index"`
+		Logprobs     *textLogprobsJSON `json:"logprobs"`
+		FinishReason *string           `json:"finish_reason"`
 	}
 )
 
+// Log-probabilities: chat's per-token objects, and the legacy completions
+// arrays.
+type (
+	chatLogprobsJSON struct {
+		Content []chatTokenLogprobJSON `json:"content"`
+		Refusal *string                `json:"refusal"`
+	}
+	chatTokenLogprobJSON struct {
+		Token       string               `json:"token"`
+		Logprob     float64              `json:"logprob"`
+		Bytes       []int                `json:"bytes"`
+		TopLogprobs []chatTopLogprobJSON `json:"top_logprobs"`
+	}
+	chatTopLogprobJSON struct {
+		Token   string  `json:"token"`
+		Logprob float64 `json:"logprob"`
+		Bytes   []int   `json:"bytes"`
+	}
+	textLogprobsJSON struct {
+		Tokens        []string             `json:"tokens"`
+		TokenLogprobs []float64            `json:"token_logprobs"`
+		TopLogprobs   []map[string]float64 `json:"top_logprobs"`
+		TextOffset    []int                `json:"text_offset"`
+	}
+)
+
+// impossibleLogprob stands for -Inf, which JSON cannot carry; OpenAI's API
+// uses the same value.
+const impossibleLogprob = -9999.0
+
+func logprobJSON(v float32) float64 {
+	return max(float64(v), impossibleLogprob)
+}
+
+func bytesJSON(s string) []int {
+	b := make([]int, len(s))
+	for i := range len(s) {
+		b[i] = int(s[i])
+	}
+	return b
+}
+
+// chatLogprobs is chat's logprobs object for lps, nil unless asked for.
+func (o *responder) chatLogprobs(lps []TokenLogprob) *chatLogprobsJSON {
+	if !o.logprobs {
+		return nil
+	}
+	out := &chatLogprobsJSON{Content: make([]chatTokenLogprobJSON, len(lps))}
+	for i, lp := range lps {
+		c := chatTokenLogprobJSON{Token: lp.Token, Logprob: logprobJSON(lp.Logprob), Bytes: bytesJSON(lp.Token),
+			TopLogprobs: make([]chatTopLogprobJSON, len(lp.Top))}
+		for k, t := range lp.Top {
+			c.TopLogprobs[k] = chatTopLogprobJSON{Token: t.Token, Logprob: logprobJSON(t.Logprob), Bytes: bytesJSON(t.Token)}
+		}
+		out.Content[i] = c
+	}
+	return out
+}
+
+// textLogprobs is completions' logprobs object for lps, nil unless asked
+// for. text_offset counts characters from the start of the completion,
+// across the chunks of a stream.
+func (o *responder) textLogprobs(lps []TokenLogprob) *textLogprobsJSON {
+	if !o.logprobs {
+		return nil
+	}
+	out := &textLogprobsJSON{
+		Tokens: make([]string, len(lps)), TokenLogprobs: make([]float64, len(lps)),
+		TopLogprobs: make([]map[string]float64, len(lps)), TextOffset: make([]int, len(lps)),
+	}
+	for i, lp := range lps {
+		out.Tokens[i], out.TokenLogprobs[i], out.TextOffset[i] = lp.Token, logprobJSON(lp.Logprob), o.offset
+		o.offset += len([]rune(lp.Token))
+		top := make(map[string]float64, len(lp.Top))
+		for _, t := range lp.Top {
+			if _, dup := top[t.Token]; !dup { // two tokens of one spelling: the likelier
+				top[t.Token] = logprobJSON(t.Logprob)
+			}
+		}
+		out.TopLogprobs[i] = top
+	}
+	return out
+}
+
 var nullJSON = json.RawMessage("null")
 
-func (o *responder) full(text, reason string, u Usage) any {
+func (o *responder) full(text string, lps []TokenLogprob, reason string, u Usage) any {
 	if o.api == chatAPI {
 		return chatCompletionJSON{
 			ID: o.id, Object: "chat.completion", Created: o.created, Model: o.model,
 			Choices: []chatChoiceJSON{{
 				Message:      chatMessageJSON{Role: "assistant", Content: text},
+				Logprobs:     o.chatLogprobs(lps),
 				FinishReason: reason,
 			}},
 			Usage: toUsageJSON(u),
@@ -413,14 +506,14 @@ func (o *responder) full(text, reason string, u Usage) any {
 	}
 	return textCompletionJSON{
 		ID: o.id, Object: "text_completion", Created: o.created, Model: o.model,
-		Choices: []textCompletionChoice{{Text: text, FinishReason: &reason}},
+		Choices: []textCompletionChoice{{Text: text, Logprobs: o.textLogprobs(lps), FinishReason: &reason}},
 		Usage:   mustJSON(toUsageJSON(u)),
 	}
 }
 
-// chunk is one stream event: text (nil: none), the role opener, or the
-// closing chunk when reason is set.
-func (o *responder) chunk(text *string, role bool, reason string) any {
+// chunk is one stream event: text (nil: none) with the log-probabilities
+// of its tokens, the role opener, or the closing chunk when reason is set.
+func (o *responder) chunk(text *string, lps []TokenLogprob, role bool, reason string) any {
 	var usage json.RawMessage
 	if o.includeUsage {
 		usage = nullJSON
@@ -434,19 +527,23 @@ func (o *responder) chunk(text *string, role bool, reason string) any {
 		if role {
 			d.Role = "assistant"
 		}
+		c := chatChunkChoiceJSON{Delta: d, FinishReason: fr}
+		if text != nil && !role {
+			c.Logprobs = o.chatLogprobs(lps)
+		}
 		return chatChunkJSON{
 			ID: o.id, Object: "chat.completion.chunk", Created: o.created, Model: o.model,
-			Choices: []chatChunkChoiceJSON{{Delta: d, FinishReason: fr}},
+			Choices: []chatChunkChoiceJSON{c},
 			Usage:   usage,
 		}
 	}
-	t := ""
+	c := textCompletionChoice{FinishReason: fr}
 	if text != nil {
-		t = *text
+		c.Text, c.Logprobs = *text, o.textLogprobs(lps)
 	}
 	return textCompletionJSON{
 		ID: o.id, Object: "text_completion", Created: o.created, Model: o.model,
-		Choices: []textCompletionChoice{{Text: t, FinishReason: fr}},
+		Choices: []textCompletionChoice{c},
 		Usage:   usage,
 	}
 }

@@ -34,7 +34,14 @@ type genParams struct {
 	repeatPenalty    float32
 	frequencyPenalty float32
 	presencePenalty  float32
+
+	logprobs    bool // return each token's log-probability
+	topLogprobs int  // with this many alternatives
 }
+
+// maxTopLogprobs is OpenAI's limit on top_logprobs; completions' logprobs
+// (5 at OpenAI) takes as many here.
+const maxTopLogprobs = 20
 
 type chatRequest struct {
 	genParams
@@ -204,6 +211,9 @@ func parseChatRequest(data []byte) (*chatRequest, *apiError) {
 	if e := checkResponseFormat(j.ResponseFormat); e != nil {
 		return nil, e
 	}
+	if e := p.chatLogprobs(j.Logprobs, j.TopLogprobs); e != nil {
+		return nil, e
+	}
 	if j.Messages == nil {
 		return nil, missingParam("messages")
 	}
@@ -337,6 +347,9 @@ func parseCompletionRequest(data []byte) (*completionRequest, *apiError) {
 	if j.Suffix != nil && *j.Suffix != "" {
 		return nil, unsupported("suffix", "insertion with a suffix is not supported")
 	}
+	if e := p.completionLogprobs(j.Logprobs, j.TopLogprobs); e != nil {
+		return nil, e
+	}
 	req := &completionRequest{genParams: p}
 	if e := req.parsePrompt(j.Prompt); e != nil {
 		return nil, e
@@ -469,16 +482,51 @@ func (j *commonJSON) validate() (genParams, *apiError) {
 	if p.stop, e = parseStop(j.Stop); e != nil {
 		return p, e
 	}
-	if !isAbsent(j.Logprobs) && !isOneOf(j.Logprobs, "false") {
-		return p, unsupported("logprobs", "log probabilities are not supported")
-	}
-	if j.TopLogprobs != nil && *j.TopLogprobs > 0 {
-		return p, unsupported("top_logprobs", "log probabilities are not supported")
-	}
 	if len(j.LogitBias) > 0 {
 		return p, unsupported("logit_bias", "logit bias is not supported")
 	}
 	return p, nil
+}
+
+// chatLogprobs reads chat's logprobs (a boolean) and top_logprobs (0 to
+// 20, with logprobs true).
+func (p *genParams) chatLogprobs(raw json.RawMessage, top *int) *apiError {
+	if !isAbsent(raw) {
+		if err := json.Unmarshal(raw, &p.logprobs); err != nil {
+			return invalidRequest("logprobs", "invalid_type", "Invalid type for 'logprobs': expected a boolean.")
+		}
+	}
+	if top == nil {
+		return nil
+	}
+	if *top < 0 || *top > maxTopLogprobs {
+		return invalidValue("top_logprobs", "must be 0 to %d, got %d", maxTopLogprobs, *top)
+	}
+	if *top > 0 && !p.logprobs {
+		return invalidValue("top_logprobs", "needs logprobs set to true")
+	}
+	p.topLogprobs = *top
+	return nil
+}
+
+// completionLogprobs reads completions' logprobs: how many alternatives to
+// list with each token's log-probability (0 to 20; null or absent: none).
+func (p *genParams) completionLogprobs(raw json.RawMessage, top *int) *apiError {
+	if top != nil {
+		return invalidValue("top_logprobs", "is a chat completions parameter; completions take logprobs: N")
+	}
+	if isAbsent(raw) || isOneOf(raw, "false") {
+		return nil
+	}
+	var n int
+	if err := json.Unmarshal(raw, &n); err != nil {
+		return invalidRequest("logprobs", "invalid_type", "Invalid type for 'logprobs': expected an integer (how many alternatives to list).")
+	}
+	if n < 0 || n > maxTopLogprobs {
+		return invalidValue("logprobs", "must be 0 to %d, got %d", maxTopLogprobs, n)
+	}
+	p.logprobs, p.topLogprobs = true, n
+	return nil
 }
 
 // floatIn checks an optional number against [lo, hi] (or (lo, hi] when

@@ -221,3 +221,51 @@ func TestSDKStreamMidError(t *testing.T) {
 		t.Errorf("text %q, err %v (%T)", text, stream.Err(), stream.Err())
 	}
 }
+
+// TestSDKLogprobs reads log-probabilities with the SDK's own types: chat's
+// per-token objects (whole and streamed) and the completions arrays.
+func TestSDKLogprobs(t *testing.T) {
+	m := newModel("llama", "Hé", " yo")
+	client, _ := sdkSetup(t, m)
+	ctx := context.Background()
+
+	resp, err := client.Chat.Completions.New(ctx, sdk.ChatCompletionNewParams{
+		Model: "llama", Messages: userMsg("hi"), Logprobs: sdk.Bool(true), TopLogprobs: sdk.Int(2),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	content := resp.Choices[0].Logprobs.Content
+	if len(content) != 2 || content[0].Token != "Hé" || content[0].Logprob != -0.25 || fmt.Sprint(content[0].Bytes) != "[72 195 169]" ||
+		len(content[0].TopLogprobs) != 2 || content[0].TopLogprobs[1].Token != "?" || content[0].TopLogprobs[1].Logprob != -9999 ||
+		content[1].Token != " yo" || content[1].Logprob != -0.5 {
+		t.Errorf("chat logprobs %+v", content)
+	}
+
+	stream := client.Chat.Completions.NewStreaming(ctx, sdk.ChatCompletionNewParams{
+		Model: "llama", Messages: userMsg("hi"), Logprobs: sdk.Bool(true),
+	})
+	var tokens []string
+	for stream.Next() {
+		for _, c := range stream.Current().Choices {
+			for _, lp := range c.Logprobs.Content {
+				tokens = append(tokens, lp.Token)
+			}
+		}
+	}
+	if err := stream.Err(); err != nil || fmt.Sprint(tokens) != "[Hé  yo]" {
+		t.Errorf("streamed logprob tokens %q, %v", tokens, err)
+	}
+
+	cresp, err := client.Completions.New(ctx, sdk.CompletionNewParams{
+		Model: "llama", Prompt: sdk.CompletionNewParamsPromptUnion{OfString: sdk.String("Tell me")}, Logprobs: sdk.Int(1),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lp := cresp.Choices[0].Logprobs
+	if fmt.Sprint(lp.Tokens) != "[Hé  yo]" || fmt.Sprint(lp.TokenLogprobs) != "[-0.25 -0.5]" ||
+		fmt.Sprint(lp.TextOffset) != "[0 2]" || len(lp.TopLogprobs) != 2 || lp.TopLogprobs[1][" yo"] != -0.5 {
+		t.Errorf("completion logprobs %+v", lp)
+	}
+}

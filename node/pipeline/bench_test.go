@@ -64,12 +64,13 @@ func BenchmarkDecodeStep(b *testing.B) {
 			if err := p.Open(seq, greedy(), prompt); err != nil {
 				b.Fatal(err)
 			}
-			toks, err := p.Forward(context.Background(), prefill)
+			picked, err := p.Forward(context.Background(), prefill)
 			if err != nil {
 				b.Fatal(err)
 			}
-			decodeLoop(b, toks[0], func(b *stage.Batch) ([]int32, error) {
-				return p.Forward(context.Background(), b)
+			decodeLoop(b, picked.Tokens[0], func(b *stage.Batch) ([]int32, error) {
+				picked, err := p.Forward(context.Background(), b)
+				return picked.Tokens, err
 			}, func() error { return p.Trim(seq, promptLen) })
 		})
 	}

@@ -50,8 +50,9 @@ type seqState struct {
 	local stage.SeqID // the engine's id for it
 
 	// Last stage only.
-	sampler *sample.Sampler
-	history []int32 // token at each position fed so far
+	sampler  *sample.Sampler
+	history  []int32 // token at each position fed so far
+	logprobs int     // -1: none; else the alternatives of each token's log-probability
 }
 
 // record notes the token fed at pos: it replaces what the history held
@@ -355,6 +356,10 @@ func (l *link) control(step uint64, c wire.Control) error {
 			}
 			q.sampler = sample.New(p)
 			q.history = append([]int32(nil), c.History...)
+			q.logprobs = -1
+			if p.Logprobs {
+				q.logprobs = p.TopLogprobs
+			}
 		}
 		if err := e.Open(q.local); err != nil {
 			return l.stepFailed(step, err)
@@ -447,13 +452,20 @@ func (l *link) sample(step uint64, b *stage.Batch, out *stage.Output) error {
 	for i, row := range b.Outputs {
 		res.Seqs[i] = b.Seqs[row]
 		res.Pos[i] = b.Pos[row] + 1
+		if l.seqs[res.Seqs[i]].logprobs >= 0 && res.Logprobs == nil {
+			res.Logprobs = make([]sample.Logprob, len(b.Outputs))
+		}
 	}
 	sample.Rows(res.Seqs, vocab, func(i int) {
 		q := l.seqs[res.Seqs[i]]
 		// The history up to and including the row, as the origin would
 		// have it when sampling this token.
 		h := q.history[:min(len(q.history), int(res.Pos[i]))]
-		res.Tokens[i] = q.sampler.Sample(out.LogitsRow(i, vocab), h)
+		logits := out.LogitsRow(i, vocab)
+		res.Tokens[i] = q.sampler.Sample(logits, h)
+		if q.logprobs >= 0 {
+			res.Logprobs[i] = sample.LogprobOf(logits, res.Tokens[i], q.logprobs)
+		}
 	})
 	if l.st.ReturnLogits && len(b.Outputs) > 0 {
 		f, err := wire.EncodeLogits(step, len(b.Outputs), vocab, out.Logits)

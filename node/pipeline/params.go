@@ -26,6 +26,8 @@ func samplingToWire(p sample.Params) *wire.Sampling {
 		RepeatLastN:      p.RepeatLastN,
 		FrequencyPenalty: p.FrequencyPenalty,
 		PresencePenalty:  p.PresencePenalty,
+		Logprobs:         p.Logprobs,
+		TopLogprobs:      p.TopLogprobs,
 	}
 }
 
@@ -49,6 +51,8 @@ func samplingFromWire(s *wire.Sampling) (sample.Params, error) {
 		RepeatLastN:      s.RepeatLastN,
 		FrequencyPenalty: s.FrequencyPenalty,
 		PresencePenalty:  s.PresencePenalty,
+		Logprobs:         s.Logprobs,
+		TopLogprobs:      s.TopLogprobs,
 	}
 	if p.TopP == 0 {
 		p.TopP = 1

@@ -71,6 +71,9 @@ type Result struct {
 	Seqs   []stage.SeqID
 	Pos    []int32
 	Tokens []int32
+	// Logprobs holds the log-probabilities of the rows whose sequence was
+	// opened asking for them (sample.Params.Logprobs), as sample.Picked.
+	Logprobs []sample.Logprob
 	// Logits holds len(Tokens) rows of vocab floats, with
 	// Config.ReturnLogits only.
 	Logits []float32
@@ -156,7 +159,7 @@ type Pipeline struct {
 	mu       sync.Mutex
 	nextStep uint64
 	pending  []*Call // sent and not yet answered, oldest first
-	open     map[stage.SeqID]bool
+	open     map[stage.SeqID]openSeq
 	err      error // why the pipeline broke; set once
 	closing  bool
 	done     chan struct{} // closed when err is set
@@ -204,7 +207,7 @@ func New(ctx context.Context, cfg Config) (*Pipeline, error) {
 		retEnd: make(chan struct{}),
 		slots:  make(chan struct{}, cfg.MaxInFlight),
 		kick:   make(chan struct{}, 1),
-		open:   map[stage.SeqID]bool{},
+		open:   map[stage.SeqID]openSeq{},
 		done:   make(chan struct{}),
 	}
 	p.log = log.With(zap.String("pipeline", p.id))
@@ -364,7 +367,7 @@ func (p *Pipeline) Open(seq stage.SeqID, params sample.Params, prompt []int32) e
 		}
 	}
 	p.mu.Lock()
-	exists := p.open[seq]
+	_, exists := p.open[seq]
 	p.mu.Unlock()
 	if exists {
 		return fmt.Errorf("pipeline: %w: %d", stage.ErrSeqExists, seq)
@@ -382,9 +385,14 @@ func (p *Pipeline) Open(seq stage.SeqID, params sample.Params, prompt []int32) e
 		return err
 	}
 	p.mu.Lock()
-	p.open[seq] = true
+	p.open[seq] = openSeq{logprobs: params.Logprobs}
 	p.mu.Unlock()
 	return nil
+}
+
+// openSeq is what the origin keeps of an open sequence.
+type openSeq struct {
+	logprobs bool // its tokens come with log-probabilities
 }
 
 // Trim drops the sequence's positions >= pos on every stage, and from the
@@ -419,10 +427,22 @@ func (p *Pipeline) Release(seq stage.SeqID) error {
 	return err
 }
 
+// wantLogprobs says whether any of seqs asked for log-probabilities.
+func (p *Pipeline) wantLogprobs(seqs []stage.SeqID) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, q := range seqs {
+		if p.open[q].logprobs {
+			return true
+		}
+	}
+	return false
+}
+
 func (p *Pipeline) checkOpen(seq stage.SeqID) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if !p.open[seq] {
+	if _, ok := p.open[seq]; !ok {
 		return fmt.Errorf("pipeline: %w: %d", stage.ErrUnknownSeq, seq)
 	}
 	return nil
@@ -438,17 +458,23 @@ func (p *Pipeline) sendControl(c wire.Control, async bool) (*Call, error) {
 }
 
 // Forward runs the batch through every stage and returns the token
-// sampled for each of its output rows. It is Submit and Wait.
-func (p *Pipeline) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
+// sampled for each of its output rows, with the log-probabilities of the
+// sequences that asked for them. It is Submit and Wait.
+func (p *Pipeline) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, error) {
 	c, err := p.Submit(ctx, b)
 	if err != nil {
-		return nil, err
+		return sample.Picked{}, err
 	}
 	res, err := c.Wait(ctx)
 	if err != nil {
-		return nil, err
+		return sample.Picked{}, err
 	}
-	return res.Tokens, nil
+	return res.Picked(), nil
+}
+
+// Picked is the result's tokens and log-probabilities.
+func (r *Result) Picked() sample.Picked {
+	return sample.Picked{Tokens: r.Tokens, Logprobs: r.Logprobs}
 }
 
 // Submit sends the batch (token ids into hop 0) and returns at once, so
@@ -466,7 +492,7 @@ func (p *Pipeline) Submit(ctx context.Context, b *stage.Batch) (*Call, error) {
 	}
 	p.mu.Lock()
 	for _, q := range b.Seqs {
-		if !p.open[q] {
+		if _, ok := p.open[q]; !ok {
 			p.mu.Unlock()
 			return nil, fmt.Errorf("pipeline: %w: %d", stage.ErrUnknownSeq, q)
 		}
@@ -783,7 +809,10 @@ func (p *Pipeline) reply(f *meshnodev1.Frame) error {
 		if p.cfg.ReturnLogits && len(c.seqs) > 0 && c.logits == nil {
 			return fmt.Errorf("%w: step %d answered without its logits", wire.ErrBadFrame, c.step)
 		}
-		p.complete(c, &Result{Seqs: s.Seqs, Pos: s.Pos, Tokens: s.Tokens, Logits: c.logits}, nil)
+		if len(s.Logprobs) == 0 && p.wantLogprobs(s.Seqs) {
+			return fmt.Errorf("%w: step %d answered without the log-probabilities its sequences asked for (is the last stage an older meshnode?)", wire.ErrBadFrame, c.step)
+		}
+		p.complete(c, &Result{Seqs: s.Seqs, Pos: s.Pos, Tokens: s.Tokens, Logprobs: s.Logprobs, Logits: c.logits}, nil)
 	default:
 		return fmt.Errorf("%w: unexpected %s reply", wire.ErrBadFrame, wire.BodyKind(f))
 	}

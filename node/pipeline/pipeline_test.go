@@ -217,10 +217,11 @@ func TestTrimReplay(t *testing.T) {
 	}
 	last := first.tokens[from]
 	for step := from; step < sc.steps; step++ {
-		toks, err := p.Forward(context.Background(), sc.decode(step, last))
+		picked, err := p.Forward(context.Background(), sc.decode(step, last))
 		if err != nil {
 			t.Fatal(err)
 		}
+		toks := picked.Tokens
 		if !slices.Equal(toks, first.tokens[step+1]) {
 			t.Fatalf("replayed step %d: %v, first time %v", step+1, toks, first.tokens[step+1])
 		}
@@ -293,9 +294,9 @@ func TestStepErrorKeepsPipeline(t *testing.T) {
 	if !errors.As(err, &re) || !errors.As(err, &he) || he.Hop != 0 || p.Err() != nil {
 		t.Fatalf("oversized batch: %v (pipeline %v)", err, p.Err())
 	}
-	toks, err := p.Forward(context.Background(), &stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{0}, Tokens: []int32{1}, Outputs: []int{0}})
-	if err != nil || len(toks) != 1 {
-		t.Fatalf("after a failed step: %v %v", toks, err)
+	picked, err := p.Forward(context.Background(), &stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{0}, Tokens: []int32{1}, Outputs: []int{0}})
+	if err != nil || len(picked.Tokens) != 1 {
+		t.Fatalf("after a failed step: %v %v", picked.Tokens, err)
 	}
 }
 

@@ -299,7 +299,8 @@ func decodeUntilError(t *testing.T, p *Pipeline, kill func()) (time.Duration, er
 			kill()
 			killed = time.Now()
 		}
-		toks, err := p.Forward(context.Background(), b)
+		picked, err := p.Forward(context.Background(), b)
+		toks := picked.Tokens
 		if err != nil {
 			if killed.IsZero() {
 				t.Fatalf("step %d failed before the kill: %v", step, err)

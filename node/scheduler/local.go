@@ -20,8 +20,9 @@ type local struct {
 }
 
 type localSeq struct {
-	sampler *sample.Sampler
-	history []int32
+	sampler  *sample.Sampler
+	history  []int32
+	logprobs int // -1: none; else the alternatives of each token's log-probability
 }
 
 func (l *local) Info() stage.Info { return l.e.Info() }
@@ -30,36 +31,47 @@ func (l *local) Open(seq stage.SeqID, p sample.Params, prompt []int32) error {
 	if err := l.e.Open(seq); err != nil {
 		return err
 	}
-	l.seqs[seq] = &localSeq{sampler: sample.New(p), history: append([]int32(nil), prompt...)}
+	q := &localSeq{sampler: sample.New(p), history: append([]int32(nil), prompt...), logprobs: -1}
+	if p.Logprobs {
+		q.logprobs = p.TopLogprobs
+	}
+	l.seqs[seq] = q
 	return nil
 }
 
-func (l *local) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
+func (l *local) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, error) {
 	out, err := l.e.Forward(ctx, b)
 	if err != nil {
-		return nil, err
+		return sample.Picked{}, err
 	}
 	defer out.Release()
 	vocab := l.e.Info().Vocab
 	if len(out.Logits) != len(b.Outputs)*vocab {
-		return nil, fmt.Errorf("engine returned %d logits for %d rows", len(out.Logits), len(b.Outputs))
+		return sample.Picked{}, fmt.Errorf("engine returned %d logits for %d rows", len(out.Logits), len(b.Outputs))
 	}
-	toks := make([]int32, len(b.Outputs))
+	picked := sample.Picked{Tokens: make([]int32, len(b.Outputs))}
 	seqs := make([]*localSeq, len(b.Outputs))
 	ids := make([]stage.SeqID, len(b.Outputs))
 	for i, row := range b.Outputs {
 		q, ok := l.seqs[b.Seqs[row]]
 		if !ok {
-			return nil, fmt.Errorf("%w: %d", stage.ErrUnknownSeq, b.Seqs[row])
+			return sample.Picked{}, fmt.Errorf("%w: %d", stage.ErrUnknownSeq, b.Seqs[row])
 		}
 		seqs[i], ids[i] = q, b.Seqs[row]
+		if q.logprobs >= 0 && picked.Logprobs == nil {
+			picked.Logprobs = make([]sample.Logprob, len(b.Outputs))
+		}
 	}
 	sample.Rows(ids, vocab, func(i int) {
 		q := seqs[i]
-		toks[i] = q.sampler.Sample(out.Logits[i*vocab:(i+1)*vocab], q.history)
-		q.history = append(q.history, toks[i])
+		logits := out.Logits[i*vocab : (i+1)*vocab]
+		picked.Tokens[i] = q.sampler.Sample(logits, q.history)
+		q.history = append(q.history, picked.Tokens[i])
+		if q.logprobs >= 0 {
+			picked.Logprobs[i] = sample.LogprobOf(logits, picked.Tokens[i], q.logprobs)
+		}
 	})
-	return toks, nil
+	return picked, nil
 }
 
 func (l *local) Release(seq stage.SeqID) error {

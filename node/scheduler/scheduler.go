@@ -39,8 +39,9 @@ type Pipeline interface {
 	// Open starts a sequence whose tokens will be sampled with p, given
 	// the prompt for repetition penalties.
 	Open(seq stage.SeqID, p sample.Params, prompt []int32) error
-	// Forward runs the batch and returns one sampled token per output row.
-	Forward(ctx context.Context, b *stage.Batch) ([]int32, error)
+	// Forward runs the batch and returns one sampled token per output row,
+	// with the log-probabilities of the sequences opened asking for them.
+	Forward(ctx context.Context, b *stage.Batch) (sample.Picked, error)
 	Release(seq stage.SeqID) error
 }
 
@@ -50,7 +51,7 @@ type Pipeline interface {
 // function that waits for its tokens.
 type Submitter interface {
 	Lanes() int
-	Submit(ctx context.Context, b *stage.Batch) (wait func(context.Context) ([]int32, error), err error)
+	Submit(ctx context.Context, b *stage.Batch) (wait func(context.Context) (sample.Picked, error), err error)
 }
 
 // Config sizes the scheduler.
@@ -80,12 +81,31 @@ type Request struct {
 
 // Event is one step of a generation; the last one has Done or Err set.
 type Event struct {
-	Text             string
+	Text string
+	// Logprobs are those of the tokens whose text this event (or an earlier
+	// one) carries and that no event has listed yet, when the request asked
+	// (Sampling.Logprobs). A token whose text a stop string cut off is
+	// never listed.
+	Logprobs         []TokenLogprob
 	Done             bool
 	FinishReason     string // "stop" or "length"
 	PromptTokens     int
 	CompletionTokens int
 	Err              error
+}
+
+// TokenLogprob is a generated token's log-probability under the model
+// (see sample.LogprobOf), with the likeliest alternatives, best first.
+type TokenLogprob struct {
+	Token   string // the token's bytes; may be part of a UTF-8 character
+	Logprob float32
+	Top     []TopLogprob
+}
+
+// TopLogprob is one of the likeliest tokens at a position.
+type TopLogprob struct {
+	Token   string
+	Logprob float32
 }
 
 // Errors returned by Submit.
@@ -185,6 +205,8 @@ type seq struct {
 
 	lane int // micro-batch group when pipelining
 	sent int // tokens past fed in batches still in flight
+
+	logprobs []TokenLogprob // accepted tokens not yet listed in an event
 }
 
 // busy says whether the sequence is in a batch that is in flight.
@@ -380,15 +402,26 @@ func (s *Scheduler) step(ctx context.Context, active []*seq) (next, replay []*se
 		return active, nil
 	}
 	start := time.Now()
-	toks, err := s.pipe.Forward(ctx, b)
+	picked, err := s.pipe.Forward(ctx, b)
 	s.count(time.Since(start))
-	if err == nil && len(toks) != len(outs) {
-		err = fmt.Errorf("pipeline returned %d tokens for %d output rows", len(toks), len(outs))
+	if err == nil {
+		err = checkPicked(picked, len(outs))
 	}
 	if err != nil {
 		return nil, s.replay(active, err)
 	}
-	return s.apply(active, take, outs, toks), nil
+	return s.apply(active, take, outs, picked), nil
+}
+
+// checkPicked checks that a pipeline answered every output row.
+func checkPicked(p sample.Picked, rows int) error {
+	if len(p.Tokens) != rows {
+		return fmt.Errorf("pipeline returned %d tokens for %d output rows", len(p.Tokens), rows)
+	}
+	if len(p.Logprobs) != 0 && len(p.Logprobs) != rows {
+		return fmt.Errorf("pipeline returned %d log-probabilities for %d output rows", len(p.Logprobs), rows)
+	}
+	return nil
 }
 
 // build makes the next batch of a group of sequences: one token for each
@@ -458,7 +491,7 @@ func (s *Scheduler) replay(group []*seq, err error) (replay []*seq) {
 
 // apply takes a batch's results: positions advance, sampled tokens are
 // streamed, finished sequences leave. It returns the group still active.
-func (s *Scheduler) apply(group []*seq, take []int, outs []*seq, toks []int32) []*seq {
+func (s *Scheduler) apply(group []*seq, take []int, outs []*seq, picked sample.Picked) []*seq {
 	var prompt uint64
 	for i, q := range group {
 		if q.prefilling() {
@@ -472,7 +505,11 @@ func (s *Scheduler) apply(group []*seq, take []int, outs []*seq, toks []int32) [
 	s.mu.Unlock()
 	finished := map[*seq]bool{}
 	for r, q := range outs {
-		if reason, done := s.accept(q, toks[r]); done {
+		var lp *sample.Logprob
+		if len(picked.Logprobs) != 0 {
+			lp = &picked.Logprobs[r]
+		}
+		if reason, done := s.accept(q, picked.Tokens[r], lp); done {
 			s.complete(q, reason)
 			finished[q] = true
 		}
@@ -486,7 +523,7 @@ type flight struct {
 	group []*seq
 	take  []int
 	outs  []*seq
-	wait  func(context.Context) ([]int32, error)
+	wait  func(context.Context) (sample.Picked, error)
 	start time.Time
 }
 
@@ -538,10 +575,10 @@ func (s *Scheduler) stepPipelined(ctx context.Context, sub Submitter, active []*
 	}
 	f := s.flights[0]
 	s.flights = s.flights[1:]
-	toks, err := f.wait(ctx)
+	picked, err := f.wait(ctx)
 	s.count(time.Since(f.start))
-	if err == nil && len(toks) != len(f.outs) {
-		err = fmt.Errorf("pipeline returned %d tokens for %d output rows", len(toks), len(f.outs))
+	if err == nil {
+		err = checkPicked(picked, len(f.outs))
 	}
 	if err != nil {
 		s.drainFlights(ctx)
@@ -553,7 +590,7 @@ func (s *Scheduler) stepPipelined(ctx context.Context, sub Submitter, active []*
 		}
 		return nil, s.replay(all, err)
 	}
-	s.apply(f.group, f.take, f.outs, toks)
+	s.apply(f.group, f.take, f.outs, picked)
 	return slices.DeleteFunc(active, func(q *seq) bool { return q.events == nil }), nil
 }
 
@@ -616,9 +653,10 @@ func (s *Scheduler) drainFlights(ctx context.Context) {
 	s.flights = nil
 }
 
-// accept appends a sampled token, streams its text, and says whether the
-// sequence is done and why.
-func (s *Scheduler) accept(q *seq, tok int32) (string, bool) {
+// accept appends a sampled token (with its log-probability, when the
+// request asked for them), streams its text, and says whether the sequence
+// is done and why.
+func (s *Scheduler) accept(q *seq, tok int32, lp *sample.Logprob) (string, bool) {
 	s.mu.Lock()
 	s.stats.GeneratedTokens++
 	s.mu.Unlock()
@@ -633,6 +671,18 @@ func (s *Scheduler) accept(q *seq, tok int32) (string, bool) {
 		s.finish(q, Event{Err: fmt.Errorf("decoding token %d: %w", tok, err)})
 		return "", true
 	}
+	if q.req.Sampling.Logprobs {
+		if lp == nil {
+			s.finish(q, Event{Err: fmt.Errorf("the pipeline sent token %d without the log-probability asked for", tok)})
+			return "", true
+		}
+		tl, err := s.tokenLogprob(piece, lp)
+		if err != nil {
+			s.finish(q, Event{Err: err})
+			return "", true
+		}
+		q.logprobs = append(q.logprobs, tl)
+	}
 	if s.emit(q, q.stream.Push(piece)) {
 		return "stop", true
 	}
@@ -645,7 +695,21 @@ func (s *Scheduler) accept(q *seq, tok int32) (string, bool) {
 	return "", false
 }
 
-// emit passes text through the stop matcher and sends what may be shown;
+// tokenLogprob spells out a token's log-probability and its alternatives.
+func (s *Scheduler) tokenLogprob(piece string, lp *sample.Logprob) (TokenLogprob, error) {
+	tl := TokenLogprob{Token: piece, Logprob: lp.Logprob, Top: make([]TopLogprob, len(lp.Top))}
+	for i, c := range lp.Top {
+		text, err := s.tok.Decode([]int32{c.Token})
+		if err != nil {
+			return tl, fmt.Errorf("decoding alternative token %d: %w", c.Token, err)
+		}
+		tl.Top[i] = TopLogprob{Token: text, Logprob: c.Logprob}
+	}
+	return tl, nil
+}
+
+// emit passes text through the stop matcher and sends what may be shown,
+// with the log-probabilities of the tokens accepted since the last event;
 // it reports whether a stop string was hit.
 func (s *Scheduler) emit(q *seq, piece string) bool {
 	if piece == "" {
@@ -653,9 +717,16 @@ func (s *Scheduler) emit(q *seq, piece string) bool {
 	}
 	out, stopped := q.stops.Push(piece)
 	if out != "" {
-		q.events <- Event{Text: out}
+		q.events <- Event{Text: out, Logprobs: q.takeLogprobs()}
 	}
 	return stopped
+}
+
+// takeLogprobs hands over the log-probabilities not yet sent.
+func (q *seq) takeLogprobs() []TokenLogprob {
+	lps := q.logprobs
+	q.logprobs = nil
+	return lps
 }
 
 func (s *Scheduler) complete(q *seq, reason string) {
@@ -667,10 +738,16 @@ func (s *Scheduler) complete(q *seq, reason string) {
 			reason = "stop"
 		}
 		if rest := q.stops.Flush(); rest != "" {
-			q.events <- Event{Text: rest}
+			q.events <- Event{Text: rest, Logprobs: q.takeLogprobs()}
 		}
 	}
-	s.finish(q, Event{Done: true, FinishReason: reason})
+	done := Event{Done: true, FinishReason: reason}
+	if !q.stops.Stopped() {
+		// Tokens of no text (or text still held) are listed last; those a
+		// stop string cut off are not.
+		done.Logprobs = q.takeLogprobs()
+	}
+	s.finish(q, done)
 }
 
 // finish sends the final event, closes the channel and frees the slot.

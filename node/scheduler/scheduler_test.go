@@ -294,13 +294,13 @@ type flaky struct {
 	refuseOpen int
 }
 
-func (f *flaky) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
+func (f *flaky) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, error) {
 	f.mu.Lock()
 	f.calls++
 	fail := f.calls == f.failAt
 	f.mu.Unlock()
 	if fail {
-		return nil, errors.New("hop 1: connection reset")
+		return sample.Picked{}, errors.New("hop 1: connection reset")
 	}
 	return f.Pipeline.Forward(ctx, b)
 }
@@ -372,13 +372,13 @@ type failing struct {
 	fails func(call int) bool
 }
 
-func (f *failing) Forward(ctx context.Context, b *stage.Batch) ([]int32, error) {
+func (f *failing) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, error) {
 	f.mu.Lock()
 	f.calls++
 	fail := f.fails(f.calls)
 	f.mu.Unlock()
 	if fail {
-		return nil, errors.New("hop 1: connection reset")
+		return sample.Picked{}, errors.New("hop 1: connection reset")
 	}
 	return f.Pipeline.Forward(ctx, b)
 }
@@ -456,17 +456,17 @@ func (l *lanes) record(e string) {
 
 func (l *lanes) Lanes() int { return l.n }
 
-func (l *lanes) Submit(ctx context.Context, b *stage.Batch) (func(context.Context) ([]int32, error), error) {
+func (l *lanes) Submit(ctx context.Context, b *stage.Batch) (func(context.Context) (sample.Picked, error), error) {
 	l.mu.Lock()
 	l.submitted++
 	fail := l.submitted == l.failAt
 	l.mu.Unlock()
 	if fail {
-		return func(context.Context) ([]int32, error) { return nil, errors.New("hop 2 stalled") }, nil
+		return func(context.Context) (sample.Picked, error) { return sample.Picked{}, errors.New("hop 2 stalled") }, nil
 	}
 	l.record(fmt.Sprintf("submit %d", b.Rows()))
-	toks, err := l.Pipeline.Forward(ctx, b)
-	return func(context.Context) ([]int32, error) { l.record("wait"); return toks, err }, nil
+	picked, err := l.Pipeline.Forward(ctx, b)
+	return func(context.Context) (sample.Picked, error) { l.record("wait"); return picked, err }, nil
 }
 
 const longPrompt = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her friends. " +

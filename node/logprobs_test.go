@@ -1,0 +1,82 @@
+package node_test
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"strings"
+	"testing"
+
+	sdk "github.com/openai/openai-go/v3"
+)
+
+// TestLogprobsOverHTTP: a node serves log-probabilities through the OpenAI
+// API, read by OpenAI's own SDK. For greedy generations the listed tokens
+// are ollama's greedy continuation, token for token; each token is its
+// own best alternative, with the same log-probability.
+func TestLogprobsOverHTTP(t *testing.T) {
+	const n = 24
+	ctx := context.Background()
+	c := sdkClient()
+	pieces := func(ids []int32) []string {
+		var out []string
+		for _, id := range ids {
+			p, err := ref.tok.Decode([]int32{id})
+			if err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, p)
+		}
+		return out
+	}
+
+	t.Run("chat stream", func(t *testing.T) {
+		want := ref.chat(t, "Tell me a story", n)
+		stream := c.Chat.Completions.NewStreaming(ctx, sdk.ChatCompletionNewParams{
+			Model: modelID, Messages: []sdk.ChatCompletionMessageParamUnion{sdk.UserMessage("Tell me a story")},
+			MaxTokens: sdk.Int(n), Temperature: sdk.Float(0), Logprobs: sdk.Bool(true), TopLogprobs: sdk.Int(2),
+		})
+		var text strings.Builder
+		var tokens []string
+		for stream.Next() {
+			for _, ch := range stream.Current().Choices {
+				text.WriteString(ch.Delta.Content)
+				for _, lp := range ch.Logprobs.Content {
+					tokens = append(tokens, lp.Token)
+					if lp.Logprob > 0 || len(lp.TopLogprobs) != 2 || lp.TopLogprobs[0].Token != lp.Token ||
+						lp.TopLogprobs[0].Logprob != lp.Logprob || lp.TopLogprobs[1].Logprob > lp.Logprob {
+						t.Errorf("token %q: %+v", lp.Token, lp)
+					}
+				}
+			}
+		}
+		if err := stream.Err(); err != nil {
+			t.Fatal(err)
+		}
+		if text.String() != want.text || fmt.Sprintf("%q", tokens) != fmt.Sprintf("%q", pieces(want.ids)) {
+			t.Errorf("streamed %q with tokens %q, want %q with %q", text.String(), tokens, want.text, pieces(want.ids))
+		}
+	})
+
+	t.Run("completion", func(t *testing.T) {
+		want := ref.completion(t, "Once upon a time", n)
+		resp, err := c.Completions.New(ctx, sdk.CompletionNewParams{
+			Model: modelID, Prompt: sdk.CompletionNewParamsPromptUnion{OfString: sdk.String("Once upon a time")},
+			MaxTokens: sdk.Int(n), Temperature: sdk.Float(0), Logprobs: sdk.Int(0),
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		lp := resp.Choices[0].Logprobs
+		if fmt.Sprintf("%q", lp.Tokens) != fmt.Sprintf("%q", pieces(want.ids)) || len(lp.TokenLogprobs) != len(want.ids) || len(lp.TextOffset) != len(want.ids) {
+			t.Fatalf("logprobs %+v, want tokens %q", lp, pieces(want.ids))
+		}
+		offset := 0
+		for i, tok := range lp.Tokens {
+			if lp.TextOffset[i] != int64(offset) || lp.TokenLogprobs[i] > 0 || math.IsNaN(lp.TokenLogprobs[i]) {
+				t.Errorf("token %d %q: offset %d (want %d), logprob %v", i, tok, lp.TextOffset[i], offset, lp.TokenLogprobs[i])
+			}
+			offset += len([]rune(tok))
+		}
+	})
+}

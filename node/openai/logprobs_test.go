@@ -1,0 +1,114 @@
+package openai
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+)
+
+// TestLogprobs checks the two shapes OpenAI gives log-probabilities: chat's
+// per-token objects and the completions arrays, whole and streamed. The
+// fake model lists one token per piece (fakeLogprobs).
+func TestLogprobs(t *testing.T) {
+	const chatMsgs = `"messages":[{"role":"user","content":"hi"}]`
+	chatToken := func(tok string, lp float64, top string) string {
+		b, _ := json.Marshal(bytesJSON(tok))
+		return `{"token":"` + tok + `","logprob":` + fmtFloat(lp) + `,"bytes":` + string(b) + `,"top_logprobs":[` + top + `]}`
+	}
+	tests := []struct {
+		name   string
+		path   string
+		body   string
+		stream bool
+		// want is the logprobs of each choice that carries text, in order.
+		want []string
+	}{
+		{"chat, no logprobs", "/v1/chat/completions", `{"model":"m",` + chatMsgs + `}`, false,
+			[]string{`null`}},
+		{"chat, logprobs only", "/v1/chat/completions", `{"model":"m","logprobs":true,` + chatMsgs + `}`, false,
+			[]string{`{"content":[` + chatToken("Hé", -0.25, "") + `,` + chatToken(" yo", -0.5, "") + `],"refusal":null}`}},
+		{"chat, two alternatives, -Inf as -9999", "/v1/chat/completions", `{"model":"m","logprobs":true,"top_logprobs":2,` + chatMsgs + `}`, false,
+			[]string{`{"content":[` +
+				chatToken("Hé", -0.25, `{"token":"Hé","logprob":-0.25,"bytes":[72,195,169]},{"token":"?","logprob":-9999,"bytes":[63]}`) + `,` +
+				chatToken(" yo", -0.5, `{"token":" yo","logprob":-0.5,"bytes":[32,121,111]},{"token":"?","logprob":-9999,"bytes":[63]}`) +
+				`],"refusal":null}`}},
+		{"chat stream", "/v1/chat/completions", `{"model":"m","stream":true,"logprobs":true,"top_logprobs":1,` + chatMsgs + `}`, true,
+			[]string{
+				`{"content":[` + chatToken("Hé", -0.25, `{"token":"Hé","logprob":-0.25,"bytes":[72,195,169]}`) + `],"refusal":null}`,
+				`{"content":[` + chatToken(" yo", -0.5, `{"token":" yo","logprob":-0.5,"bytes":[32,121,111]}`) + `],"refusal":null}`,
+			}},
+		{"completion, no logprobs", "/v1/completions", `{"model":"m","prompt":"p"}`, false,
+			[]string{`null`}},
+		{"completion, logprobs 0", "/v1/completions", `{"model":"m","prompt":"p","logprobs":0}`, false,
+			[]string{`{"tokens":["Hé"," yo"],"token_logprobs":[-0.25,-0.5],"top_logprobs":[{},{}],"text_offset":[0,2]}`}},
+		{"completion, logprobs 2", "/v1/completions", `{"model":"m","prompt":"p","logprobs":2}`, false,
+			[]string{`{"tokens":["Hé"," yo"],"token_logprobs":[-0.25,-0.5],"top_logprobs":[{"?":-9999,"Hé":-0.25},{" yo":-0.5,"?":-9999}],"text_offset":[0,2]}`}},
+		{"completion stream: offsets run on", "/v1/completions", `{"model":"m","prompt":"p","stream":true,"logprobs":1}`, true,
+			[]string{
+				`{"tokens":["Hé"],"token_logprobs":[-0.25],"top_logprobs":[{"Hé":-0.25}],"text_offset":[0]}`,
+				`{"tokens":[" yo"],"token_logprobs":[-0.5],"top_logprobs":[{" yo":-0.5}],"text_offset":[2]}`,
+			}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m := newModel("m", "Hé", " yo")
+			h := NewHandler(newFake(m), Config{})
+			rec := serve(t, h, "POST", tt.path, tt.body)
+			if rec.Code != 200 {
+				t.Fatalf("%d %s", rec.Code, rec.Body)
+			}
+			bodies := []string{rec.Body.String()}
+			if tt.stream {
+				bodies = sseEvents(t, rec.Body.String())
+			}
+			var got []string
+			for _, b := range bodies {
+				if b == "[DONE]" {
+					continue
+				}
+				var v struct {
+					Choices []struct {
+						Text  *string `json:"text"`
+						Delta *struct {
+							Content *string `json:"content"`
+						} `json:"delta"`
+						Message  *struct{}       `json:"message"`
+						Logprobs json.RawMessage `json:"logprobs"`
+					} `json:"choices"`
+				}
+				if err := json.Unmarshal([]byte(b), &v); err != nil {
+					t.Fatalf("%v: %s", err, b)
+				}
+				for _, c := range v.Choices {
+					text := c.Message != nil || c.Text != nil && *c.Text != "" || c.Delta != nil && c.Delta.Content != nil && *c.Delta.Content != ""
+					if text {
+						got = append(got, normJSON(t, c.Logprobs))
+					} else if string(c.Logprobs) != "null" {
+						t.Errorf("a choice without text carries logprobs %s", c.Logprobs)
+					}
+				}
+			}
+			var want []string
+			for _, w := range tt.want {
+				want = append(want, normJSON(t, json.RawMessage(w)))
+			}
+			if strings.Join(got, "\n") != strings.Join(want, "\n") {
+				t.Errorf("logprobs\n got %s\nwant %s", strings.Join(got, "\n     "), strings.Join(want, "\n     "))
+			}
+			if r := m.lastReq(); r.Logprobs != (tt.want[0] != "null") {
+				t.Errorf("backend asked for logprobs %v", r.Logprobs)
+			}
+		})
+	}
+}
+
+// normJSON re-encodes JSON with sorted object keys.
+func normJSON(t *testing.T, raw json.RawMessage) string {
+	t.Helper()
+	var v any
+	if err := json.Unmarshal(raw, &v); err != nil {
+		t.Fatalf("%v: %s", err, raw)
+	}
+	b, _ := json.Marshal(v)
+	return string(b)
+}
