@@ -43,7 +43,7 @@ type configFile struct {
 }
 
 // lenientConfig lists the commands that ignore keys they do not know.
-var lenientConfig = map[string]bool{"status": true}
+var lenientConfig = map[string]bool{"status": true, "chat": true}
 
 func loadConfig(path string) (*configFile, error) {
 	f, err := os.Open(path)

@@ -30,6 +30,7 @@ func commands() []command {
 		{"join", "join this machine to a running mesh", runJoin},
 		{"leave", "make the local node leave the mesh gracefully", runLeave},
 		{"status", "show the mesh: nodes, pipeline, speed, health", runStatus},
+		{"chat", "talk to the mesh's model in the terminal", runChat},
 		{"bench", "measure prefill and decode speed against ollama's stock engine", runBench},
 		{"dev", "developer tools (gen-model)", runDev},
 		{"version", "print the version", runVersion},
@@ -53,6 +54,7 @@ Examples:
   meshnode serve                          # the small default model on 127.0.0.1:9337
   meshnode serve --model ./llama-3.2-1b-q4_0.gguf
   meshnode join /ip4/192.168.1.5/tcp/4001/p2p/12D3KooW... --mesh-key mk1_...   # on another machine
+  meshnode chat                           # a conversation with the model, in the terminal
   curl http://127.0.0.1:9337/v1/chat/completions -d '{"model":"stories260K","messages":[{"role":"user","content":"Hi"}]}'
 
 Run 'meshnode <command> --help' for a command's flags.
@@ -176,4 +178,33 @@ func parse(fs *flag.FlagSet, args []string) error {
 		return errUsage
 	}
 	return nil
+}
+
+// parseWithArgs is parse for a command that takes arguments as well as
+// flags, in any order; "--" ends the flags. It returns the arguments.
+func parseWithArgs(fs *flag.FlagSet, args []string) ([]string, error) {
+	var flags, positional []string
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		switch {
+		case a == "--":
+			positional = append(positional, args[i+1:]...)
+			i = len(args)
+		case strings.HasPrefix(a, "-") && a != "-":
+			flags = append(flags, a)
+			name, _, hasValue := strings.Cut(strings.TrimLeft(a, "-"), "=")
+			if f := fs.Lookup(name); f != nil && !hasValue && !isBoolFlag(f) && i+1 < len(args) {
+				i++
+				flags = append(flags, args[i]) // the flag's value
+			}
+		default:
+			positional = append(positional, a)
+		}
+	}
+	return positional, parse(fs, flags)
+}
+
+func isBoolFlag(f *flag.Flag) bool {
+	b, ok := f.Value.(interface{ IsBoolFlag() bool })
+	return ok && b.IsBoolFlag()
 }

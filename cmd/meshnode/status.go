@@ -73,30 +73,14 @@ http setting) and the API key.`, `  meshnode status
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	if p := fs.Lookup("config").Value.String(); p != "" && !set["node"] {
-		cf, err := loadConfig(p)
-		if err != nil {
-			return err
-		}
-		if addr, ok := cf.lookup("status", "http"); ok {
-			*nodeURL = localURL(addr)
-		} else if addr, ok := cf.lookup("serve", "http"); ok {
-			*nodeURL = localURL(addr)
-		}
-	}
-	if *keyFile != "" && *key == "" {
-		b, err := os.ReadFile(*keyFile)
-		if err != nil {
-			return fmt.Errorf("--api-key-file: %w", err)
-		}
-		*key = strings.TrimSpace(string(b))
+	base, apiKey, err := nodeEndpoint(fs, *nodeURL, *key, *keyFile)
+	if err != nil {
+		return err
 	}
 	if *interval < 100*time.Millisecond {
 		return fmt.Errorf("--interval %s: too short (at least 100ms)", *interval)
 	}
-	opts := statusOptions{url: normalizeURL(*nodeURL), key: *key, json: *asJSON, watch: *watch, interval: *interval,
+	opts := statusOptions{url: base, key: apiKey, json: *asJSON, watch: *watch, interval: *interval,
 		color: !*noColor && os.Getenv("NO_COLOR") == "" && isTerminal(w)}
 	if *format != "" {
 		t, err := template.New("format").Parse(*format)
@@ -109,7 +93,7 @@ http setting) and the API key.`, `  meshnode status
 		return watchStatus(ctx, w, opts)
 	}
 	var buf bytes.Buffer
-	err := statusOnce(ctx, &buf, opts)
+	err = statusOnce(ctx, &buf, opts)
 	w.Write(buf.Bytes())
 	return err
 }
@@ -189,6 +173,34 @@ func watchStatus(ctx context.Context, w io.Writer, opts statusOptions) error {
 		case <-time.After(opts.interval):
 		}
 	}
+}
+
+// nodeEndpoint resolves how a client command reaches the local node: the
+// --node URL, unless only --config was given, whose http setting (the
+// command's own, else serve's) then names the address; and the API key,
+// read from --api-key-file when --api-key is not set.
+func nodeEndpoint(fs *flag.FlagSet, nodeURL, key, keyFile string) (base, apiKey string, err error) {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if p := fs.Lookup("config").Value.String(); p != "" && !set["node"] {
+		cf, err := loadConfig(p)
+		if err != nil {
+			return "", "", err
+		}
+		if addr, ok := cf.lookup(commandOf(fs), "http"); ok {
+			nodeURL = localURL(addr)
+		} else if addr, ok := cf.lookup("serve", "http"); ok {
+			nodeURL = localURL(addr)
+		}
+	}
+	if keyFile != "" && key == "" {
+		b, err := os.ReadFile(keyFile)
+		if err != nil {
+			return "", "", fmt.Errorf("--api-key-file: %w", err)
+		}
+		key = strings.TrimSpace(string(b))
+	}
+	return normalizeURL(nodeURL), key, nil
 }
 
 // fetchStatus reads GET /api/status; errors are exitErrors with a message
@@ -277,13 +289,19 @@ func localURL(addr string) string {
 	return "http://" + net.JoinHostPort(host, port)
 }
 
-func isTerminal(w io.Writer) bool {
-	f, ok := w.(*os.File)
+// isTerminal says whether v is a terminal: a character device, other than
+// the null device (as in 'meshnode chat < /dev/null').
+func isTerminal(v any) bool {
+	f, ok := v.(*os.File)
 	if !ok {
 		return false
 	}
 	fi, err := f.Stat()
-	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+	if err != nil || fi.Mode()&os.ModeCharDevice == 0 {
+		return false
+	}
+	null, err := os.Stat(os.DevNull)
+	return err != nil || !os.SameFile(fi, null)
 }
 
 // renderStatus prints the status for people: a header, the pipeline as a
