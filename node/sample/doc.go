@@ -38,6 +38,15 @@
 // over the whole vocabulary. The last stage computes them beside the
 // sampler for the sequences that ask (Params.Logprobs).
 //
+// # JSON output
+//
+// A Sampler constrained with a JSONConstraint (Params.JSON) samples only
+// tokens that keep the output a prefix of one JSON object: before the
+// penalties' result is filtered, every token whose text JSON (a byte-level
+// recognizer) refuses gets -Inf, and once the object closes only an
+// end-of-generation token may follow. The recognizer, not the model,
+// decides what is JSON, so a model that never saw JSON writes valid JSON.
+//
 // A Sampler reuses its scratch space, so sampling does not allocate in the
 // steady state, and it never sorts the vocabulary: top-k keeps a heap of the
 // k best, top-p partitions like quickselect.

@@ -33,6 +33,13 @@ type Params struct {
 	// LogprobOf), with TopLogprobs (0..MaxTopLogprobs) alternatives.
 	Logprobs    bool
 	TopLogprobs int
+
+	// JSON keeps the output one JSON object (OpenAI's response_format
+	// json_object; see JSONConstraint). JSONFrom is where in the history
+	// the output starts (the prompt's length), so that a replayed
+	// sequence's constraint resumes after what it already generated.
+	JSON     bool
+	JSONFrom int
 }
 
 // DefaultParams are OpenAI's defaults: temperature 1, no filters, no
@@ -69,6 +76,8 @@ func (p Params) Validate() error {
 		return bad("top_logprobs", p.TopLogprobs, fmt.Sprintf("0 to %d", MaxTopLogprobs))
 	case p.TopLogprobs > 0 && !p.Logprobs:
 		return bad("top_logprobs", p.TopLogprobs, "0 unless logprobs is set")
+	case p.JSONFrom < 0:
+		return bad("json_from", p.JSONFrom, "0 or more")
 	}
 	return nil
 }

@@ -19,7 +19,13 @@ type Sampler struct {
 	logits []float32       // working copy: the caller's slice is never written
 	cands  []cand          // candidate tokens
 	counts map[int32]int32 // token counts in the penalty window
+
+	json *JSONConstraint // nil: unconstrained
 }
+
+// Constrain keeps the tokens sampled from here on one JSON object (see
+// JSONConstraint); c holds the state, advanced by each token Sample returns.
+func (s *Sampler) Constrain(c *JSONConstraint) { s.json = c }
 
 type cand struct {
 	id    int32
@@ -57,6 +63,14 @@ func New(p Params) *Sampler {
 // another pipeline, by a new Sampler with the same seed, draws exactly the
 // tokens the first run drew.
 func (s *Sampler) Sample(logits []float32, history []int32) int32 {
+	tok := s.sample(logits, history)
+	if s.json != nil {
+		s.json.accept(tok)
+	}
+	return tok
+}
+
+func (s *Sampler) sample(logits []float32, history []int32) int32 {
 	cs, pick := s.candidates(logits, history)
 	if pick >= 0 || len(cs) == 0 {
 		return pick
@@ -73,7 +87,7 @@ func (s *Sampler) candidates(logits []float32, history []int32) ([]cand, int32) 
 	if n == 0 {
 		return nil, -1
 	}
-	if !(s.p.Temperature > 0) && !s.penalizes(history) {
+	if !(s.p.Temperature > 0) && !s.penalizes(history) && s.json == nil {
 		// Greedy with nothing to change: no copy, one pass.
 		if top, ok := argmaxFinite(logits); ok {
 			return nil, top
@@ -88,6 +102,9 @@ func (s *Sampler) candidates(logits []float32, history []int32) ([]cand, int32) 
 		l[i] = sanitize(x)
 	}
 	s.penalize(l, history)
+	if s.json != nil && !s.json.mask(l) {
+		return nil, s.json.fallback()
+	}
 
 	top := argmax(l)
 	if !(s.p.Temperature > 0) || math.IsInf(float64(l[top]), -1) {

@@ -1,0 +1,118 @@
+package sample
+
+import (
+	"fmt"
+	"math"
+)
+
+// Vocab is a vocabulary's token texts, what constrained sampling needs to
+// know which tokens may come next.
+type Vocab struct {
+	pieces [][]byte // nil for tokens that never appear in constrained text
+	eog    []int32
+}
+
+// NewVocab reads the texts of tokens [0, n) with piece. Tokens for which
+// special is true (control tokens such as BOS, whose text is markup) and
+// tokens of no text never appear in constrained output; eog marks those
+// that end generation, the only ones allowed once the output is complete.
+func NewVocab(n int, piece func(id int32) (string, error), special, eog func(id int32) bool) (*Vocab, error) {
+	v := &Vocab{pieces: make([][]byte, n)}
+	for id := range int32(n) {
+		if eog(id) {
+			v.eog = append(v.eog, id)
+			continue
+		}
+		if special(id) {
+			continue
+		}
+		p, err := piece(id)
+		if err != nil {
+			return nil, fmt.Errorf("reading the text of token %d: %w", id, err)
+		}
+		if p != "" {
+			v.pieces[id] = []byte(p)
+		}
+	}
+	return v, nil
+}
+
+// Size is the number of tokens.
+func (v *Vocab) Size() int { return len(v.pieces) }
+
+// JSONConstraint keeps a sequence's output one JSON object: tokens that
+// would break it are masked before sampling, and once the object is
+// complete only an end-of-generation token may follow.
+type JSONConstraint struct {
+	v *Vocab
+	j *JSON
+}
+
+// NewJSONConstraint starts a constraint after the tokens already generated
+// (a replayed sequence's), which must be a valid prefix.
+func NewJSONConstraint(v *Vocab, generated []int32) (*JSONConstraint, error) {
+	c := &JSONConstraint{v: v, j: NewJSON()}
+	for i, tok := range generated {
+		if !c.allowed(tok) {
+			return nil, fmt.Errorf("generated token %d (id %d) breaks the JSON output", i, tok)
+		}
+		c.accept(tok)
+	}
+	return c, nil
+}
+
+// allowed says whether tok may come next.
+func (c *JSONConstraint) allowed(tok int32) bool {
+	if tok < 0 || int(tok) >= len(c.v.pieces) {
+		return false
+	}
+	if c.j.Done() {
+		return c.isEOG(tok)
+	}
+	p := c.v.pieces[tok]
+	return p != nil && c.j.Try(p)
+}
+
+func (c *JSONConstraint) isEOG(tok int32) bool {
+	for _, e := range c.v.eog {
+		if e == tok {
+			return true
+		}
+	}
+	return false
+}
+
+// mask sets the logits of tokens that may not come next to -Inf, and says
+// whether any token is left.
+func (c *JSONConstraint) mask(l []float32) bool {
+	ninf := float32(math.Inf(-1))
+	left := false
+	for i := range l {
+		if l[i] == ninf {
+			continue
+		}
+		if i >= len(c.v.pieces) || !c.allowed(int32(i)) {
+			l[i] = ninf
+			continue
+		}
+		left = true
+	}
+	return left
+}
+
+// fallback is the token to end with when no token is allowed: the first
+// end-of-generation token, or 0.
+func (c *JSONConstraint) fallback() int32 {
+	if len(c.v.eog) > 0 {
+		return c.v.eog[0]
+	}
+	return 0
+}
+
+// accept moves past a sampled token.
+func (c *JSONConstraint) accept(tok int32) {
+	if c.j.Done() || tok < 0 || int(tok) >= len(c.v.pieces) || c.v.pieces[tok] == nil {
+		return
+	}
+	c.j.Feed(c.v.pieces[tok])
+}
