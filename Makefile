@@ -55,6 +55,7 @@ fuzz:
 	$(FUZZ) FuzzRender ./node/text/
 	$(FUZZ) FuzzStream ./node/text/
 	$(FUZZ) FuzzRequest ./node/openai/
+	$(FUZZ) FuzzJSON ./node/sample/
 	$(FUZZ) FuzzTokenizer ./ggufstage/ -tags '$(TAGS)'
 
 # meshnode's own kernels (ggufstage/*.cpp) pick their instructions with

@@ -47,6 +47,20 @@ func LoadTokenizer(path string) (t *Tokenizer, err error) {
 // IsEOG reports whether id ends generation.
 func (t *Tokenizer) IsEOG(id int32) bool { return t.Is(id, tokenizer.SpecialEOS) }
 
+// IsSpecial reports a control or unknown token (BOS, <unk>, …), or an id
+// outside the vocabulary: tokens whose text is markup, not output.
+func (t *Tokenizer) IsSpecial(id int32) bool {
+	v := t.Vocabulary()
+	if id < 0 || int(id) >= len(v.Types) {
+		return true
+	}
+	switch v.Types[id] {
+	case tokenizer.TOKEN_TYPE_CONTROL, tokenizer.TOKEN_TYPE_UNKNOWN:
+		return true
+	}
+	return false
+}
+
 // HasToken reports whether s is a token of the vocabulary.
 func (t *Tokenizer) HasToken(s string) bool {
 	v := t.Vocabulary()

@@ -100,3 +100,32 @@ func contains(s, sub string) bool {
 	}
 	return false
 }
+
+// TestIsSpecial: control and unknown tokens are markup; text tokens and
+// byte tokens are not; ids outside the vocabulary are not text either.
+func TestIsSpecial(t *testing.T) {
+	tok, err := LoadTokenizer(storiesPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := tok.Vocabulary()
+	text, _ := tok.Encode(" cat", false)
+	tests := []struct {
+		name string
+		id   int32
+		want bool
+	}{
+		{"BOS", v.BOS[0], true},
+		{"EOS", v.EOS[0], true},
+		{"unknown", 0, true}, // <unk> in llama2.c vocabularies
+		{"a word", text[len(text)-1], false},
+		{"a byte token", int32(v.Encode("<0x7B>")), false},
+		{"past the vocabulary", int32(len(v.Values)), true},
+		{"negative", -1, true},
+	}
+	for _, tt := range tests {
+		if got := tok.IsSpecial(tt.id); got != tt.want {
+			t.Errorf("%s (id %d): IsSpecial %v, want %v", tt.name, tt.id, got, tt.want)
+		}
+	}
+}

@@ -2,12 +2,16 @@ package node_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"math"
 	"strings"
 	"testing"
 
 	sdk "github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/shared"
+
+	smp "github.com/meshnode/meshnode/node/sample"
 )
 
 // TestLogprobsOverHTTP: a node serves log-probabilities through the OpenAI
@@ -79,4 +83,44 @@ func TestLogprobsOverHTTP(t *testing.T) {
 			offset += len([]rune(tok))
 		}
 	})
+}
+
+// TestJSONModeOverHTTP: response_format json_object keeps a node's reply
+// one JSON object (a prefix of one when max_tokens cuts it short), read by
+// OpenAI's SDK, whole and streamed.
+func TestJSONModeOverHTTP(t *testing.T) {
+	ctx := context.Background()
+	c := sdkClient()
+	params := sdk.ChatCompletionNewParams{
+		Model: modelID, Messages: []sdk.ChatCompletionMessageParamUnion{sdk.UserMessage("Describe a cat as JSON.")},
+		MaxTokens: sdk.Int(48), Temperature: sdk.Float(0.8), Seed: sdk.Int(5),
+		ResponseFormat: sdk.ChatCompletionNewParamsResponseFormatUnion{OfJSONObject: &shared.ResponseFormatJSONObjectParam{}},
+	}
+	check := func(how, content, finish string) {
+		j := smp.NewJSON()
+		if !strings.HasPrefix(content, "{") || !j.Feed([]byte(content)) {
+			t.Errorf("%s: %q is not a JSON object's prefix", how, content)
+		}
+		if finish == "stop" && !json.Valid([]byte(content)) {
+			t.Errorf("%s: stopped on %q", how, content)
+		}
+	}
+	resp, err := c.Chat.Completions.New(ctx, params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("whole", resp.Choices[0].Message.Content, resp.Choices[0].FinishReason)
+
+	stream := c.Chat.Completions.NewStreaming(ctx, params)
+	var acc sdk.ChatCompletionAccumulator
+	for stream.Next() {
+		acc.AddChunk(stream.Current())
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	check("streamed", acc.Choices[0].Message.Content, acc.Choices[0].FinishReason)
+	if acc.Choices[0].Message.Content != resp.Choices[0].Message.Content {
+		t.Errorf("streamed %q, whole %q (same seed)", acc.Choices[0].Message.Content, resp.Choices[0].Message.Content)
+	}
 }

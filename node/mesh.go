@@ -55,6 +55,7 @@ const (
 // to the other stages, and builds the pipeline its own requests run on.
 // One goroutine (run) makes every decision; the rest only reads.
 type mesh struct {
+	vocabs   vocabCache
 	cfg      Config
 	log      *zap.Logger
 	host     *host.Host
@@ -1066,6 +1067,7 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 	ls.server, err = pipeline.NewServer(pipeline.ServerConfig{
 		Engine: ls.observed, Dial: m.dial, ModelID: mm.ref.Name, ModelHash: mm.ref.ID,
 		OnBadPeer: func(p string, err error) { m.event("bad-peer", "peer %s sent a bad frame: %v", p, err) },
+		Vocab:     m.vocabs.of(mm),
 		Logger:    m.log.Named("stage"),
 	})
 	if err != nil {
@@ -1225,7 +1227,7 @@ func (m *mesh) ensurePipeline(ctx context.Context, mm *meshModel, plan planner.P
 	}
 	// A whole model on this node runs in process: no hop at all.
 	if len(route) == 1 && route[0].Peer == m.self && local != nil {
-		m.setPipe(route, scheduler.Local(local.observed), nil)
+		m.setPipe(route, scheduler.Local(local.observed, m.vocabs.of(mm)), nil)
 		m.event("pipeline", "requests run locally on layers [0,%d)", mm.info.Layers)
 		return
 	}

@@ -385,6 +385,9 @@ type tokenizer interface {
 	scheduler.Tokenizer
 	Encode(s string, addSpecial bool) ([]int32, error)
 	HasToken(s string) bool
+	// IsSpecial reports a control token (BOS, end of turn, …), whose text
+	// is markup rather than output.
+	IsSpecial(id int32) bool
 }
 
 // chatFormat is what the chat template needs besides the tokenizer.

@@ -2,6 +2,8 @@ package meshtest
 
 import (
 	"context"
+	"encoding/json"
+	"io"
 	"io/fs"
 	"net/http"
 	"os"
@@ -11,6 +13,7 @@ import (
 	"time"
 
 	"github.com/meshnode/meshnode/ggufstage/gguf"
+	"github.com/meshnode/meshnode/node/sample"
 )
 
 // TestSplitMesh: three processes, `serve --split` with the model file on
@@ -31,6 +34,9 @@ func TestSplitMesh(t *testing.T) {
 					checkHealth(t, n)
 				}
 				m.checkHoldings(t)
+				if model == stories && wire == "f32" {
+					checkJSONAndLogprobs(t, m.nodes)
+				}
 			})
 		}
 	}
@@ -47,6 +53,67 @@ func TestSplitMesh(t *testing.T) {
 			}
 		}
 	})
+}
+
+// checkJSONAndLogprobs: a greedy chat reply with response_format
+// json_object and logprobs, through every node of a split mesh (whose last
+// stage, another process, masks and measures the tokens), is a JSON
+// object's prefix, the same through every node, and its listed tokens
+// spell it.
+func checkJSONAndLogprobs(t *testing.T, nodes []*meshNode) {
+	t.Helper()
+	body, _ := json.Marshal(map[string]any{
+		"model": stories.id, "max_tokens": 40, "temperature": 0, "logprobs": true, "top_logprobs": 2,
+		"response_format": map[string]string{"type": "json_object"},
+		"messages":        []map[string]string{{"role": "user", "content": "A cat, as JSON."}},
+	})
+	var first string
+	for _, n := range nodes {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		resp, err := n.request(ctx, http.MethodPost, "/v1/chat/completions", body)
+		if err != nil {
+			cancel()
+			t.Fatalf("%s: %v", n.name, err)
+		}
+		data, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		cancel()
+		var r struct {
+			Choices []struct {
+				Message struct {
+					Content string `json:"content"`
+				} `json:"message"`
+				Logprobs struct {
+					Content []struct {
+						Token   string  `json:"token"`
+						Logprob float64 `json:"logprob"`
+					} `json:"content"`
+				} `json:"logprobs"`
+			} `json:"choices"`
+		}
+		if resp.StatusCode != http.StatusOK || json.Unmarshal(data, &r) != nil || len(r.Choices) != 1 {
+			t.Fatalf("%s: %s: %s", n.name, resp.Status, data)
+		}
+		content := r.Choices[0].Message.Content
+		var spelled strings.Builder
+		for _, lp := range r.Choices[0].Logprobs.Content {
+			spelled.WriteString(lp.Token)
+			if lp.Logprob > 0 {
+				t.Errorf("%s: token %q has log-probability %v", n.name, lp.Token, lp.Logprob)
+			}
+		}
+		if j := sample.NewJSON(); !strings.HasPrefix(content, "{") || !j.Feed([]byte(content)) {
+			t.Errorf("%s: %q is not a JSON object's prefix", n.name, content)
+		}
+		if spelled.String() != content {
+			t.Errorf("%s: the listed tokens spell %q, the reply is %q", n.name, spelled.String(), content)
+		}
+		if first == "" {
+			first = content
+		} else if content != first {
+			t.Errorf("%s: %q, through %s %q", n.name, content, nodes[0].name, first)
+		}
+	}
 }
 
 // checkHealth: a node with a complete pipeline says so on /health.

@@ -76,6 +76,10 @@ type GenerateRequest struct {
 	// TopLogprobs (0..20) alternatives.
 	Logprobs    bool
 	TopLogprobs int
+	// JSON keeps the reply one JSON object (response_format json_object):
+	// tokens that would break it are never sampled, and it ends when the
+	// object closes (or at MaxTokens, cut short).
+	JSON bool
 }
 
 // Event is one step of a generation.

@@ -124,6 +124,7 @@ func (s *server) generate(w http.ResponseWriter, r *http.Request, m Model, p *ge
 		PresencePenalty:  p.presencePenalty,
 		Logprobs:         p.logprobs,
 		TopLogprobs:      p.topLogprobs,
+		JSON:             p.jsonObject,
 	})
 	if err != nil {
 		if r.Context().Err() != nil {

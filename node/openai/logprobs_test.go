@@ -112,3 +112,23 @@ func normJSON(t *testing.T, raw json.RawMessage) string {
 	b, _ := json.Marshal(v)
 	return string(b)
 }
+
+// TestResponseFormat: json_object reaches the backend as JSON; text and
+// no format do not.
+func TestResponseFormat(t *testing.T) {
+	m := newModel("m", "{}")
+	h := NewHandler(newFake(m), Config{})
+	for _, tt := range []struct {
+		format string
+		json   bool
+	}{
+		{`,"response_format":{"type":"json_object"}`, true},
+		{`,"response_format":{"type":"text"}`, false},
+		{``, false},
+	} {
+		rec := serve(t, h, "POST", "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]`+tt.format+`}`)
+		if rec.Code != 200 || m.lastReq().JSON != tt.json {
+			t.Errorf("%s: %d, JSON %v, want %v", tt.format, rec.Code, m.lastReq().JSON, tt.json)
+		}
+	}
+}

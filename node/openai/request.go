@@ -37,6 +37,7 @@ type genParams struct {
 
 	logprobs    bool // return each token's log-probability
 	topLogprobs int  // with this many alternatives
+	jsonObject  bool // response_format json_object
 }
 
 // maxTopLogprobs is OpenAI's limit on top_logprobs; completions' logprobs
@@ -208,7 +209,7 @@ func parseChatRequest(data []byte) (*chatRequest, *apiError) {
 	if !isAbsent(j.FunctionCall) && !isOneOf(j.FunctionCall, "none", "auto") {
 		return nil, unsupported("function_call", noTools)
 	}
-	if e := checkResponseFormat(j.ResponseFormat); e != nil {
+	if p.jsonObject, e = checkResponseFormat(j.ResponseFormat); e != nil {
 		return nil, e
 	}
 	if e := p.chatLogprobs(j.Logprobs, j.TopLogprobs); e != nil {
@@ -307,25 +308,29 @@ func parseContent(raw json.RawMessage, param string) (*string, *apiError) {
 	}
 }
 
-func checkResponseFormat(raw json.RawMessage) *apiError {
+// checkResponseFormat reads response_format: text, or json_object (the
+// reply is one JSON object); json_schema is refused.
+func checkResponseFormat(raw json.RawMessage) (jsonObject bool, e *apiError) {
 	if isAbsent(raw) {
-		return nil
+		return false, nil
 	}
 	var rf struct {
 		Type string `json:"type"`
 	}
 	if err := json.Unmarshal(raw, &rf); err != nil {
-		return invalidRequest("response_format", "invalid_type", "Invalid type for 'response_format': expected an object with a 'type'.")
+		return false, invalidRequest("response_format", "invalid_type", "Invalid type for 'response_format': expected an object with a 'type'.")
 	}
 	switch rf.Type {
 	case "text":
-		return nil
-	case "json_object", "json_schema":
-		return unsupported("response_format", "type '%s' is not supported; this server cannot constrain its output", rf.Type)
+		return false, nil
+	case "json_object":
+		return true, nil
+	case "json_schema":
+		return false, unsupported("response_format", "type 'json_schema' is not supported; 'json_object' is (any JSON object)")
 	case "":
-		return missingParam("response_format.type")
+		return false, missingParam("response_format.type")
 	default:
-		return invalidValue("response_format.type", "'%s' is not one of 'text', 'json_object', 'json_schema'", rf.Type)
+		return false, invalidValue("response_format.type", "'%s' is not one of 'text', 'json_object', 'json_schema'", rf.Type)
 	}
 }
 

@@ -157,7 +157,8 @@ type stageOpts struct {
 	maxFrame     int           // advertised and enforced on receive; 0 = default
 	setupTimeout time.Duration // 0 = 5 s
 	wrap         func(stage.Engine) stage.Engine
-	maxSeqs      int // overrides the engine options' when > 0
+	maxSeqs      int                           // overrides the engine options' when > 0
+	vocab        func() (*sample.Vocab, error) // for JSON output, on the last stage
 }
 
 // testStage is one stage served on loopback TCP by its own grpc.Server.
@@ -202,7 +203,7 @@ func startStage(t testing.TB, e stage.Engine, o stageOpts) *testStage {
 	}
 	ts.srv, err = NewServer(ServerConfig{
 		Engine: e, Dial: ts.conns.Dial, ModelID: "stories260K", ModelHash: "test-hash",
-		MaxFrameBytes: o.maxFrame, SetupTimeout: o.setupTimeout,
+		MaxFrameBytes: o.maxFrame, SetupTimeout: o.setupTimeout, Vocab: o.vocab,
 		OnBadPeer: func(peer string, err error) {
 			ts.mu.Lock()
 			defer ts.mu.Unlock()

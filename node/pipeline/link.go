@@ -53,6 +53,7 @@ type seqState struct {
 	sampler  *sample.Sampler
 	history  []int32 // token at each position fed so far
 	logprobs int     // -1: none; else the alternatives of each token's log-probability
+	jsonFrom int     // -1: unconstrained; else where the JSON output starts in history
 }
 
 // record notes the token fed at pos: it replaces what the history held
@@ -348,7 +349,7 @@ func (l *link) control(step uint64, c wire.Control) error {
 		if _, ok := l.seqs[c.Seq]; ok {
 			return l.stepFailed(step, fmt.Errorf("%w: %d", stage.ErrSeqExists, c.Seq))
 		}
-		q := &seqState{local: stage.SeqID(l.s.nextLocal.Add(1))}
+		q := &seqState{local: stage.SeqID(l.s.nextLocal.Add(1)), jsonFrom: -1}
 		if l.last {
 			p, err := samplingFromWire(c.Sampling)
 			if err != nil {
@@ -359,6 +360,15 @@ func (l *link) control(step uint64, c wire.Control) error {
 			q.logprobs = -1
 			if p.Logprobs {
 				q.logprobs = p.TopLogprobs
+			}
+			q.jsonFrom = -1
+			if p.JSON {
+				jc, err := l.jsonConstraint(q.history, p.JSONFrom)
+				if err != nil {
+					return l.stepFailed(step, err)
+				}
+				q.sampler.Constrain(jc)
+				q.jsonFrom = p.JSONFrom
 			}
 		}
 		if err := e.Open(q.local); err != nil {
@@ -375,6 +385,14 @@ func (l *link) control(step uint64, c wire.Control) error {
 		}
 		if int(c.Pos) < len(q.history) {
 			q.history = q.history[:c.Pos]
+			if q.jsonFrom >= 0 {
+				// The output's state goes back with it.
+				jc, err := l.jsonConstraint(q.history, q.jsonFrom)
+				if err != nil {
+					return l.stepFailed(step, err)
+				}
+				q.sampler.Constrain(jc)
+			}
 		}
 	case wire.OpRelease:
 		// Releasing what is not open is not an error: after an OPEN that
@@ -393,6 +411,19 @@ func (l *link) control(step uint64, c wire.Control) error {
 		return &failure{step: step, hop: l.st.Hop, from: fromHere, err: err}
 	}
 	return l.emit(f)
+}
+
+// jsonConstraint starts a sequence's JSON constraint after what it
+// generated (history[from:]).
+func (l *link) jsonConstraint(history []int32, from int) (*sample.JSONConstraint, error) {
+	if l.s.cfg.Vocab == nil {
+		return nil, errors.New("this stage cannot keep output JSON: it has no vocabulary")
+	}
+	v, err := l.s.cfg.Vocab()
+	if err != nil {
+		return nil, fmt.Errorf("keeping output JSON: %w", err)
+	}
+	return sample.NewJSONConstraint(v, history[min(from, len(history)):])
 }
 
 // run sends one batch through the engine and its output on: hidden states

@@ -28,6 +28,8 @@ func samplingToWire(p sample.Params) *wire.Sampling {
 		PresencePenalty:  p.PresencePenalty,
 		Logprobs:         p.Logprobs,
 		TopLogprobs:      p.TopLogprobs,
+		JSON:             p.JSON,
+		JSONFrom:         p.JSONFrom,
 	}
 }
 
@@ -53,6 +55,8 @@ func samplingFromWire(s *wire.Sampling) (sample.Params, error) {
 		PresencePenalty:  s.PresencePenalty,
 		Logprobs:         s.Logprobs,
 		TopLogprobs:      s.TopLogprobs,
+		JSON:             s.JSON,
+		JSONFrom:         s.JSONFrom,
 	}
 	if p.TopP == 0 {
 		p.TopP = 1

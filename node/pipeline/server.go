@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/meshnode/meshnode/node/sample"
 	"github.com/meshnode/meshnode/node/wire"
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
 	"github.com/meshnode/meshnode/stage"
@@ -49,6 +50,10 @@ type ServerConfig struct {
 	// PeerOf names the remote peer of a stream for OnBadPeer; the default
 	// is the transport address.
 	PeerOf func(ctx context.Context) string
+	// Vocab gives the model's token texts, which a last stage needs to
+	// keep a sequence's output JSON (sample.Params.JSON); nil refuses
+	// such sequences. It is called when one opens.
+	Vocab  func() (*sample.Vocab, error)
 	Logger *zap.Logger
 }
 

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/meshnode/meshnode/node/sample"
@@ -9,14 +10,16 @@ import (
 )
 
 // Local turns an engine that covers every layer into a Pipeline, sampling
-// in process as a mesh's last stage would.
-func Local(e stage.Engine) Pipeline {
-	return &local{e: e, seqs: map[stage.SeqID]*localSeq{}}
+// in process as a mesh's last stage would. vocab gives the token texts
+// for sequences whose output must be JSON; nil refuses them.
+func Local(e stage.Engine, vocab func() (*sample.Vocab, error)) Pipeline {
+	return &local{e: e, vocab: vocab, seqs: map[stage.SeqID]*localSeq{}}
 }
 
 type local struct {
-	e    stage.Engine
-	seqs map[stage.SeqID]*localSeq
+	e     stage.Engine
+	vocab func() (*sample.Vocab, error)
+	seqs  map[stage.SeqID]*localSeq
 }
 
 type localSeq struct {
@@ -28,12 +31,26 @@ type localSeq struct {
 func (l *local) Info() stage.Info { return l.e.Info() }
 
 func (l *local) Open(seq stage.SeqID, p sample.Params, prompt []int32) error {
-	if err := l.e.Open(seq); err != nil {
-		return err
-	}
 	q := &localSeq{sampler: sample.New(p), history: append([]int32(nil), prompt...), logprobs: -1}
 	if p.Logprobs {
 		q.logprobs = p.TopLogprobs
+	}
+	if p.JSON {
+		if l.vocab == nil {
+			return errors.New("keeping output JSON: no vocabulary")
+		}
+		v, err := l.vocab()
+		if err != nil {
+			return fmt.Errorf("keeping output JSON: %w", err)
+		}
+		jc, err := sample.NewJSONConstraint(v, prompt[min(p.JSONFrom, len(prompt)):])
+		if err != nil {
+			return err
+		}
+		q.sampler.Constrain(jc)
+	}
+	if err := l.e.Open(seq); err != nil {
+		return err
 	}
 	l.seqs[seq] = q
 	return nil

@@ -332,7 +332,11 @@ func (s *Scheduler) Run(ctx context.Context) error {
 		slotsFull := false
 		for len(active) < s.cfg.Parallel && len(waiting) > 0 {
 			q := waiting[0]
-			if err := s.pipe.Open(q.id, q.req.Sampling, q.tokens); err != nil {
+			sp := q.req.Sampling
+			if sp.JSON {
+				sp.JSONFrom = len(q.req.Prompt) // a replay resumes after what was generated
+			}
+			if err := s.pipe.Open(q.id, sp, q.tokens); err != nil {
 				if errors.Is(err, stage.ErrNoSlot) {
 					// Stages are shared by every entry node: wait for a
 					// slot rather than fail.

@@ -74,7 +74,7 @@ func openStories(t *testing.T, maxSeqs int) (*ggufstage.Engine, *ggufstage.Token
 func newFixture(t *testing.T, cfg Config) *fixture {
 	t.Helper()
 	eng, tok := openStories(t, 8)
-	s := New(Local(eng), tok, cfg, nil)
+	s := New(Local(eng, nil), tok, cfg, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { s.Run(ctx); close(done) }()
@@ -320,20 +320,22 @@ func (f *flaky) Open(seq stage.SeqID, p sample.Params, prompt []int32) error {
 
 // TestReplayAfterPipelineFailure: a pipeline failure mid-generation is
 // invisible to the client: the same text as an uninterrupted run, greedy
-// and seeded.
+// and seeded, also with JSON output, whose constraint resumes after what
+// was generated.
 func TestReplayAfterPipelineFailure(t *testing.T) {
 	seed := int64(7)
 	sampled := sample.DefaultParams()
 	sampled.Seed = &seed
+	withJSON := func(p sample.Params) sample.Params { p.JSON = true; return p }
 	for _, tc := range []struct {
 		name   string
 		params sample.Params
-	}{{"greedy", greedy()}, {"seeded", sampled}} {
+	}{{"greedy", greedy()}, {"seeded", sampled}, {"greedy JSON", withJSON(greedy())}, {"seeded JSON", withJSON(sampled)}} {
 		t.Run(tc.name, func(t *testing.T) {
-			run := func(failAt int) (string, Stats) {
+			run := func(failAt int) (string, Event, Stats) {
 				eng, tok := openStories(t, 4)
 				defer eng.Close()
-				pipe := &flaky{Pipeline: Local(eng), failAt: failAt, refuseOpen: 5}
+				pipe := &flaky{Pipeline: Local(eng, storiesVocab(t, tok)), failAt: failAt, refuseOpen: 5}
 				s := New(pipe, tok, Config{Parallel: 2, RecoverTimeout: 10 * time.Second}, nil)
 				ctx, cancel := context.WithCancel(context.Background())
 				done := make(chan struct{})
@@ -345,16 +347,22 @@ func TestReplayAfterPipelineFailure(t *testing.T) {
 					t.Fatal(err)
 				}
 				text, last := collect(t, ch)
-				if !last.Done || last.CompletionTokens != 40 {
+				if !last.Done {
 					t.Fatalf("final event %+v", last)
 				}
-				return text, s.Stats()
+				return text, last, s.Stats()
 			}
-			want, _ := run(-1)
+			want, wantLast, _ := run(-1)
+			if !tc.params.JSON && wantLast.CompletionTokens != 40 {
+				t.Fatalf("final event %+v", wantLast)
+			}
+			if j := sample.NewJSON(); tc.params.JSON && !j.Feed([]byte(want)) {
+				t.Fatalf("JSON output %q is not an object's prefix", want)
+			}
 			for _, at := range []int{2, 10, 30} {
-				got, st := run(at)
-				if got != want {
-					t.Errorf("failure at pass %d:\n got %q\nwant %q", at, got, want)
+				got, last, st := run(at)
+				if got != want || last.CompletionTokens != wantLast.CompletionTokens {
+					t.Errorf("failure at pass %d:\n got %q (%d tokens)\nwant %q (%d)", at, got, last.CompletionTokens, want, wantLast.CompletionTokens)
 				}
 				if st.Replays != 1 {
 					t.Errorf("failure at pass %d: %d replays, want 1", at, st.Replays)
@@ -401,7 +409,7 @@ func TestRecoveriesBoundFailuresWithoutProgress(t *testing.T) {
 	run := func(fails func(int) bool) (string, Event, Stats) {
 		eng, tok := openStories(t, 4)
 		defer eng.Close()
-		s := New(&failing{Pipeline: Local(eng), fails: fails}, tok, Config{Parallel: 2, RecoverTimeout: 5 * time.Second, MaxRecoveries: 3}, nil)
+		s := New(&failing{Pipeline: Local(eng, nil), fails: fails}, tok, Config{Parallel: 2, RecoverTimeout: 5 * time.Second, MaxRecoveries: 3}, nil)
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() { s.Run(ctx); close(done) }()
@@ -496,8 +504,8 @@ func TestPipelinedPromptChunks(t *testing.T) {
 		text, _ := collect(t, ch)
 		return text
 	}
-	want := generate(Local(eng))
-	l := &lanes{Pipeline: Local(eng), n: 2}
+	want := generate(Local(eng, nil))
+	l := &lanes{Pipeline: Local(eng, nil), n: 2}
 	if got := generate(l); got != want {
 		t.Errorf("pipelined: %q, unpipelined %q", got, want)
 	}
@@ -531,7 +539,7 @@ func TestPipelinedMatchesSequential(t *testing.T) {
 		eng, tok := openStories(t, 8)
 		defer eng.Close()
 		// A small batch budget, so that the long prompt goes in chunks.
-		s := New(pipe(Local(eng)), tok, Config{Parallel: 8, BatchTokens: 96}, nil)
+		s := New(pipe(Local(eng, nil)), tok, Config{Parallel: 8, BatchTokens: 96}, nil)
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() { s.Run(ctx); close(done) }()
@@ -575,7 +583,7 @@ func TestPipelinedMatchesSequential(t *testing.T) {
 func TestPipelinedKeepsStagesBusy(t *testing.T) {
 	eng, tok := openStories(t, 8)
 	defer eng.Close()
-	l := &lanes{Pipeline: Local(eng), n: 2}
+	l := &lanes{Pipeline: Local(eng, nil), n: 2}
 	s := New(l, tok, Config{Parallel: 8, BatchTokens: 96}, nil)
 	// Every request is queued before Run starts, so that both lanes fill
 	// from the first step.

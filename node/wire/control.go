@@ -62,6 +62,9 @@ type Sampling struct {
 
 	Logprobs    bool // return each token's log-probability
 	TopLogprobs int  // with this many alternatives, [0, sample.MaxTopLogprobs]
+
+	JSON     bool // keep the output one JSON object
+	JSONFrom int  // where the output starts in the history
 }
 
 func (s *Sampling) check(maxVocab int) error {
@@ -87,6 +90,10 @@ func (s *Sampling) check(maxVocab int) error {
 		return fmt.Errorf("sampling top_logprobs %d outside [0,%d]", s.TopLogprobs, sample.MaxTopLogprobs)
 	case s.TopLogprobs > 0 && !s.Logprobs:
 		return fmt.Errorf("sampling top_logprobs %d without logprobs", s.TopLogprobs)
+	case s.JSONFrom < 0 || s.JSONFrom > math.MaxInt32:
+		return fmt.Errorf("sampling json_from %d outside [0,%d]", s.JSONFrom, math.MaxInt32)
+	case s.JSONFrom != 0 && !s.JSON:
+		return fmt.Errorf("sampling json_from %d without json_object", s.JSONFrom)
 	}
 	return nil
 }
@@ -158,6 +165,8 @@ func EncodeControl(step uint64, c Control) (*meshnodev1.Frame, error) {
 			PresencePenalty:  s.PresencePenalty,
 			Logprobs:         s.Logprobs,
 			TopLogprobs:      uint32(s.TopLogprobs),
+			JsonObject:       s.JSON,
+			JsonFrom:         uint32(s.JSONFrom),
 		}
 	}
 	return &meshnodev1.Frame{
@@ -210,6 +219,8 @@ func DecodeControl(f *meshnodev1.Frame, lim Limits) (Control, error) {
 			PresencePenalty:  s.GetPresencePenalty(),
 			Logprobs:         s.GetLogprobs(),
 			TopLogprobs:      int(s.GetTopLogprobs()),
+			JSON:             s.GetJsonObject(),
+			JSONFrom:         int(s.GetJsonFrom()),
 		}
 	}
 	if err := c.check(lim); err != nil {

@@ -18,6 +18,7 @@ func TestControlRoundTrip(t *testing.T) {
 		{Op: OpOpen, Seq: 1},
 		{Op: OpOpen, Seq: math.MaxUint64, Sampling: &Sampling{Temperature: 0.7, TopK: 40, TopP: 0.9, MinP: 0.05, Seed: 12345}},
 		{Op: OpOpen, Seq: 5, Sampling: &Sampling{Logprobs: true, TopLogprobs: 20}},
+		{Op: OpOpen, Seq: 6, Sampling: &Sampling{JSON: true, JSONFrom: 12}},
 		{Op: OpTrim, Seq: 2, Pos: 0},
 		{Op: OpTrim, Seq: 2, Pos: math.MaxInt32},
 		{Op: OpRelease, Seq: 3},
@@ -61,6 +62,8 @@ func TestControlRejects(t *testing.T) {
 		{"top_logprobs over 20", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{Logprobs: true, TopLogprobs: 21}}, "top_logprobs 21"},
 		{"top_logprobs huge", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{Logprobs: true, TopLogprobs: math.MaxUint32}}, "top_logprobs 4294967295"},
 		{"top_logprobs without logprobs", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{TopLogprobs: 2}}, "without logprobs"},
+		{"json_from huge", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{JsonObject: true, JsonFrom: math.MaxUint32}}, "json_from 4294967295"},
+		{"json_from without json", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{JsonFrom: 3}}, "without json_object"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -1111,8 +1111,14 @@ type Sampling struct {
 	PresencePenalty  float32 `protobuf:"fixed32,9,opt,name=presence_penalty,json=presencePenalty,proto3" json:"presence_penalty,omitempty"`
 	// Return each sampled token's log-probability (Tokens.logprobs), with
 	// this many of the likeliest tokens, at most 20.
-	Logprobs      bool   `protobuf:"varint,10,opt,name=logprobs,proto3" json:"logprobs,omitempty"`
-	TopLogprobs   uint32 `protobuf:"varint,11,opt,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
+	Logprobs    bool   `protobuf:"varint,10,opt,name=logprobs,proto3" json:"logprobs,omitempty"`
+	TopLogprobs uint32 `protobuf:"varint,11,opt,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
+	// Keep the output one JSON object (response_format json_object); the
+	// last stage needs the tokenizer's vocabulary for it. json_from is where
+	// the output starts in the history (the prompt's length), so that a
+	// replayed sequence resumes the constraint after what it generated.
+	JsonObject    bool   `protobuf:"varint,12,opt,name=json_object,json=jsonObject,proto3" json:"json_object,omitempty"`
+	JsonFrom      uint32 `protobuf:"varint,13,opt,name=json_from,json=jsonFrom,proto3" json:"json_from,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1220,6 +1226,20 @@ func (x *Sampling) GetLogprobs() bool {
 func (x *Sampling) GetTopLogprobs() uint32 {
 	if x != nil {
 		return x.TopLogprobs
+	}
+	return 0
+}
+
+func (x *Sampling) GetJsonObject() bool {
+	if x != nil {
+		return x.JsonObject
+	}
+	return false
+}
+
+func (x *Sampling) GetJsonFrom() uint32 {
+	if x != nil {
+		return x.JsonFrom
 	}
 	return 0
 }
@@ -1578,7 +1598,7 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\aOP_OPEN\x10\x01\x12\v\n" +
 	"\aOP_TRIM\x10\x02\x12\x0e\n" +
 	"\n" +
-	"OP_RELEASE\x10\x03\"\xe1\x02\n" +
+	"OP_RELEASE\x10\x03\"\x9f\x03\n" +
 	"\bSampling\x12 \n" +
 	"\vtemperature\x18\x01 \x01(\x02R\vtemperature\x12\x13\n" +
 	"\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x13\n" +
@@ -1591,7 +1611,10 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\x10presence_penalty\x18\t \x01(\x02R\x0fpresencePenalty\x12\x1a\n" +
 	"\blogprobs\x18\n" +
 	" \x01(\bR\blogprobs\x12!\n" +
-	"\ftop_logprobs\x18\v \x01(\rR\vtopLogprobs\"\xa2\x02\n" +
+	"\ftop_logprobs\x18\v \x01(\rR\vtopLogprobs\x12\x1f\n" +
+	"\vjson_object\x18\f \x01(\bR\n" +
+	"jsonObject\x12\x1b\n" +
+	"\tjson_from\x18\r \x01(\rR\bjsonFrom\"\xa2\x02\n" +
 	"\x05Error\x12+\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x17.meshnode.v1.Error.CodeR\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12\x15\n" +
