@@ -28,6 +28,7 @@ type chatOptions struct {
 	temperature *float64
 	maxTokens   int
 	seed        *int64
+	json        bool
 	verbose     bool
 }
 
@@ -51,6 +52,7 @@ file, as for 'meshnode status'.`, `  meshnode chat
   meshnode chat "Once upon a time"
   meshnode chat --system "Answer in one sentence." --temperature 0
   git diff | meshnode chat "Write a commit message for this change:"
+  meshnode chat --json "List three colors as JSON."
   meshnode chat --node http://10.0.0.7:9337 --api-key-file ~/.meshnode-key --verbose`)
 	nodeURL := fs.String("node", "http://127.0.0.1:9337", "the node's HTTP address (URL or HOST:PORT)")
 	key := fs.String("api-key", "", "the node's API key, if it has one")
@@ -61,6 +63,7 @@ file, as for 'meshnode status'.`, `  meshnode chat
 	temperature := fs.String("temperature", "", "sampling temperature, 0 (greedy) to 2 (default: the server's, 1)")
 	maxTokens := fs.Int("max-tokens", 0, "most tokens in one reply (0: as many as the context allows)")
 	seed := fs.String("seed", "", "random seed, for replies that repeat (default: a new one each time)")
+	asJSON := fs.Bool("json", false, "make every reply one JSON object (response_format json_object)")
 	verbose := fs.Bool("verbose", false, "after each reply, print its token count and speed")
 	words, err := parseWithArgs(fs, args)
 	if err != nil {
@@ -70,7 +73,7 @@ file, as for 'meshnode status'.`, `  meshnode chat
 	if err != nil {
 		return err
 	}
-	opts := chatOptions{url: base, key: apiKey, model: *model, system: *system, maxTokens: *maxTokens, verbose: *verbose}
+	opts := chatOptions{url: base, key: apiKey, model: *model, system: *system, maxTokens: *maxTokens, json: *asJSON, verbose: *verbose}
 	if *temperature != "" {
 		t, err := strconv.ParseFloat(*temperature, 64)
 		if err != nil || t < 0 || t > 2 {
@@ -363,6 +366,9 @@ func (c *chatClient) reply(ctx context.Context, out io.Writer, msgs []chatMessag
 	}
 	if c.opts.seed != nil {
 		body["seed"] = *c.opts.seed
+	}
+	if c.opts.json {
+		body["response_format"] = map[string]string{"type": "json_object"}
 	}
 	data, err := json.Marshal(body)
 	if err != nil {

@@ -127,6 +127,7 @@ func TestChatOneShot(t *testing.T) {
 		{"piped text after the prompt", []string{"Summarize:"}, "line 1\nline 2\n", "user: Summarize:\n\nline 1\nline 2", nil},
 		{"piped text alone", nil, "just this\n", "user: just this", nil},
 		{"another model", []string{"--model", "other", "x"}, "", "user: x", map[string]any{"model": "other"}},
+		{"JSON replies", []string{"--json", "x"}, "", "user: x", map[string]any{"response_format": "map[type:json_object]"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -145,7 +146,11 @@ func TestChatOneShot(t *testing.T) {
 				t.Errorf("sent\n%s\nwant\n%s", got, tt.want)
 			}
 			for k, v := range tt.sent {
-				if got := s.reqs[0][k]; got != v {
+				got := s.reqs[0][k]
+				if m, ok := got.(map[string]any); ok {
+					got = fmt.Sprint(m)
+				}
+				if got != v {
 					t.Errorf("%s = %v, want %v", k, got, v)
 				}
 			}
