@@ -56,6 +56,7 @@ fuzz:
 	$(FUZZ) FuzzStream ./node/text/
 	$(FUZZ) FuzzRequest ./node/openai/
 	$(FUZZ) FuzzJSON ./node/sample/
+	$(FUZZ) FuzzSchema ./node/sample/
 	$(FUZZ) FuzzTokenizer ./ggufstage/ -tags '$(TAGS)'
 
 # meshnode's own kernels (ggufstage/*.cpp) pick their instructions with

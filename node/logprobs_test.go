@@ -3,6 +3,7 @@ package node_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"strings"
@@ -123,4 +124,54 @@ func TestJSONModeOverHTTP(t *testing.T) {
 	if acc.Choices[0].Message.Content != resp.Choices[0].Message.Content {
 		t.Errorf("streamed %q, whole %q (same seed)", acc.Choices[0].Message.Content, resp.Choices[0].Message.Content)
 	}
+}
+
+// TestJSONSchemaOverHTTP: response_format json_schema keeps a node's reply
+// to what the schema allows (the keys it names, their types), and a schema
+// the node cannot follow is a 400 that says why.
+func TestJSONSchemaOverHTTP(t *testing.T) {
+	ctx := context.Background()
+	c := sdkClient()
+	const doc = `{"type":"object","properties":{"name":{"type":"string"},"legs":{"type":"integer"},"furry":{"type":"boolean"}},"required":["legs","furry"],"additionalProperties":false}`
+	var schema map[string]any
+	if err := json.Unmarshal([]byte(doc), &schema); err != nil {
+		t.Fatal(err)
+	}
+	compiled, err := smp.ParseSchema([]byte(doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for seed := range int64(3) {
+		resp, err := c.Chat.Completions.New(ctx, sdk.ChatCompletionNewParams{
+			Model: modelID, Messages: []sdk.ChatCompletionMessageParamUnion{sdk.UserMessage("A cat.")},
+			MaxTokens: sdk.Int(64), Seed: sdk.Int(seed),
+			ResponseFormat: sdk.ChatCompletionNewParamsResponseFormatUnion{OfJSONSchema: &shared.ResponseFormatJSONSchemaParam{
+				JSONSchema: shared.ResponseFormatJSONSchemaJSONSchemaParam{Name: "animal", Schema: schema, Strict: sdk.Bool(true)},
+			}},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		content, finish := resp.Choices[0].Message.Content, resp.Choices[0].FinishReason
+		r := smp.NewSchemaJSON(compiled)
+		if !r.Feed([]byte(content)) || finish == "stop" && !r.Done() {
+			t.Errorf("seed %d (%s): %q is not what the schema allows", seed, finish, content)
+		}
+		t.Logf("seed %d, %s: %q", seed, finish, content)
+	}
+
+	_, err = c.Chat.Completions.New(ctx, sdk.ChatCompletionNewParams{
+		Model: modelID, Messages: []sdk.ChatCompletionMessageParamUnion{sdk.UserMessage("A cat.")},
+		ResponseFormat: sdk.ChatCompletionNewParamsResponseFormatUnion{OfJSONSchema: &shared.ResponseFormatJSONSchemaParam{
+			JSONSchema: shared.ResponseFormatJSONSchemaJSONSchemaParam{Name: "bad", Schema: map[string]any{"type": "object", "properties": map[string]any{"a": map[string]any{"$ref": "#/defs/a"}}}},
+		}},
+	})
+	var apiErr *sdk.Error
+	if !errors.As(err, &apiErr) {
+		t.Fatalf("an unsupported schema: %v", err)
+	}
+	if apiErr.StatusCode != 400 || !strings.Contains(apiErr.Message, `"$ref" is not supported`) {
+		t.Errorf("an unsupported schema: %d %s", apiErr.StatusCode, apiErr.RawJSON())
+	}
+	t.Logf("an unsupported schema: %s", apiErr.Message)
 }

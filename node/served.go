@@ -62,7 +62,7 @@ func (m *Model) Generate(ctx context.Context, req openai.GenerateRequest) (<-cha
 		Sampling: sample.Params{
 			Temperature: req.Temperature, TopK: req.TopK, TopP: req.TopP, MinP: req.MinP, Seed: req.Seed,
 			RepeatPenalty: req.RepeatPenalty, FrequencyPenalty: req.FrequencyPenalty, PresencePenalty: req.PresencePenalty,
-			Logprobs: req.Logprobs, TopLogprobs: req.TopLogprobs, JSON: req.JSON,
+			Logprobs: req.Logprobs, TopLogprobs: req.TopLogprobs, JSON: req.JSON, JSONSchema: req.JSONSchema,
 		},
 	})
 	if err != nil {

@@ -78,8 +78,11 @@ type GenerateRequest struct {
 	TopLogprobs int
 	// JSON keeps the reply one JSON object (response_format json_object):
 	// tokens that would break it are never sampled, and it ends when the
-	// object closes (or at MaxTokens, cut short).
-	JSON bool
+	// object closes (or at MaxTokens, cut short). JSONSchema (json_schema)
+	// is the schema the object must follow, as the client sent it; the
+	// backend refuses one it cannot follow with ErrInvalidParam.
+	JSON       bool
+	JSONSchema string
 }
 
 // Event is one step of a generation.

@@ -125,6 +125,7 @@ func (s *server) generate(w http.ResponseWriter, r *http.Request, m Model, p *ge
 		Logprobs:         p.logprobs,
 		TopLogprobs:      p.topLogprobs,
 		JSON:             p.jsonObject,
+		JSONSchema:       p.jsonSchema,
 	})
 	if err != nil {
 		if r.Context().Err() != nil {

@@ -113,22 +113,26 @@ func normJSON(t *testing.T, raw json.RawMessage) string {
 	return string(b)
 }
 
-// TestResponseFormat: json_object reaches the backend as JSON; text and
-// no format do not.
+// TestResponseFormat: json_object and json_schema reach the backend as
+// JSON (with the schema, compact); text and no format do not.
 func TestResponseFormat(t *testing.T) {
 	m := newModel("m", "{}")
 	h := NewHandler(newFake(m), Config{})
 	for _, tt := range []struct {
 		format string
 		json   bool
+		schema string
 	}{
-		{`,"response_format":{"type":"json_object"}`, true},
-		{`,"response_format":{"type":"text"}`, false},
-		{``, false},
+		{`,"response_format":{"type":"json_object"}`, true, ""},
+		{`,"response_format":{"type":"json_schema","json_schema":{"name":"p","strict":true,"schema":{"type": "object",
+			"properties": {"a": {"type": "string"}}}}}`, true, `{"type":"object","properties":{"a":{"type":"string"}}}`},
+		{`,"response_format":{"type":"json_schema","json_schema":{"name":"any"}}`, true, ""},
+		{`,"response_format":{"type":"text"}`, false, ""},
+		{``, false, ""},
 	} {
 		rec := serve(t, h, "POST", "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]`+tt.format+`}`)
-		if rec.Code != 200 || m.lastReq().JSON != tt.json {
-			t.Errorf("%s: %d, JSON %v, want %v", tt.format, rec.Code, m.lastReq().JSON, tt.json)
+		if r := m.lastReq(); rec.Code != 200 || r.JSON != tt.json || r.JSONSchema != tt.schema {
+			t.Errorf("%s: %d, JSON %v schema %q, want %v %q", tt.format, rec.Code, r.JSON, r.JSONSchema, tt.json, tt.schema)
 		}
 	}
 }

@@ -35,9 +35,10 @@ type genParams struct {
 	frequencyPenalty float32
 	presencePenalty  float32
 
-	logprobs    bool // return each token's log-probability
-	topLogprobs int  // with this many alternatives
-	jsonObject  bool // response_format json_object
+	logprobs    bool   // return each token's log-probability
+	topLogprobs int    // with this many alternatives
+	jsonObject  bool   // response_format json_object or json_schema
+	jsonSchema  string // json_schema's schema, compact
 }
 
 // maxTopLogprobs is OpenAI's limit on top_logprobs; completions' logprobs
@@ -209,7 +210,7 @@ func parseChatRequest(data []byte) (*chatRequest, *apiError) {
 	if !isAbsent(j.FunctionCall) && !isOneOf(j.FunctionCall, "none", "auto") {
 		return nil, unsupported("function_call", noTools)
 	}
-	if p.jsonObject, e = checkResponseFormat(j.ResponseFormat); e != nil {
+	if p.jsonObject, p.jsonSchema, e = checkResponseFormat(j.ResponseFormat); e != nil {
 		return nil, e
 	}
 	if e := p.chatLogprobs(j.Logprobs, j.TopLogprobs); e != nil {
@@ -308,29 +309,45 @@ func parseContent(raw json.RawMessage, param string) (*string, *apiError) {
 	}
 }
 
-// checkResponseFormat reads response_format: text, or json_object (the
-// reply is one JSON object); json_schema is refused.
-func checkResponseFormat(raw json.RawMessage) (jsonObject bool, e *apiError) {
+// checkResponseFormat reads response_format: text, json_object (the reply
+// is one JSON object) or json_schema (one the schema allows; the schema is
+// returned as compact JSON, for the backend to check).
+func checkResponseFormat(raw json.RawMessage) (jsonObject bool, schema string, e *apiError) {
 	if isAbsent(raw) {
-		return false, nil
+		return false, "", nil
 	}
 	var rf struct {
-		Type string `json:"type"`
+		Type       string `json:"type"`
+		JSONSchema *struct {
+			Name   string          `json:"name"`
+			Schema json.RawMessage `json:"schema"`
+		} `json:"json_schema"`
 	}
 	if err := json.Unmarshal(raw, &rf); err != nil {
-		return false, invalidRequest("response_format", "invalid_type", "Invalid type for 'response_format': expected an object with a 'type'.")
+		return false, "", invalidRequest("response_format", "invalid_type", "Invalid type for 'response_format': expected an object with a 'type'.")
 	}
 	switch rf.Type {
 	case "text":
-		return false, nil
+		return false, "", nil
 	case "json_object":
-		return true, nil
+		return true, "", nil
 	case "json_schema":
-		return false, unsupported("response_format", "type 'json_schema' is not supported; 'json_object' is (any JSON object)")
+		if rf.JSONSchema == nil {
+			return false, "", missingParam("response_format.json_schema")
+		}
+		if isAbsent(rf.JSONSchema.Schema) {
+			// OpenAI takes a schema-less json_schema as any object.
+			return true, "", nil
+		}
+		var compact bytes.Buffer
+		if err := json.Compact(&compact, rf.JSONSchema.Schema); err != nil {
+			return false, "", invalidValue("response_format.json_schema.schema", "%v", err)
+		}
+		return true, compact.String(), nil
 	case "":
-		return false, missingParam("response_format.type")
+		return false, "", missingParam("response_format.type")
 	default:
-		return false, invalidValue("response_format.type", "'%s' is not one of 'text', 'json_object', 'json_schema'", rf.Type)
+		return false, "", invalidValue("response_format.type", "'%s' is not one of 'text', 'json_object', 'json_schema'", rf.Type)
 	}
 }
 

@@ -28,6 +28,12 @@ func storiesVocab(t *testing.T) (func() (*sample.Vocab, error), *ggufstage.Token
 // unsplit engine's logits; the sequence beside it in the batch is not
 // constrained. A last stage without a vocabulary refuses such a sequence.
 func TestPipelineJSON(t *testing.T) {
+	for _, schema := range []string{"", `{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"},"good":{"type":"boolean"}},"required":["age","good"]}`} {
+		t.Run(map[bool]string{true: "object", false: "schema"}[schema == ""], func(t *testing.T) { testPipelineJSON(t, schema) })
+	}
+}
+
+func testPipelineJSON(t *testing.T, schemaDoc string) {
 	vocab, tok := storiesVocab(t)
 	steps := twoSeqs.steps
 	prompt := twoSeqs.prompts[0]
@@ -44,8 +50,13 @@ func TestPipelineJSON(t *testing.T) {
 	}
 	params := greedy()
 	params.JSON, params.JSONFrom = true, len(prompt) // the output starts after the prompt
+	params.JSONSchema = schemaDoc
+	schema, err := params.Schema()
+	if err != nil {
+		t.Fatal(err)
+	}
 	ref := sample.New(params)
-	jc, err := sample.NewJSONConstraint(v, nil)
+	jc, err := sample.NewJSONConstraint(v, schema, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -70,6 +81,10 @@ func TestPipelineJSON(t *testing.T) {
 	if j := sample.NewJSON(); !j.Feed([]byte(text)) || !strings.HasPrefix(text, "{") {
 		t.Fatalf("the reference wrote %q", text)
 	}
+	if schema != nil && !sample.NewSchemaJSON(schema).Feed([]byte(text)) {
+		t.Fatalf("the reference wrote %q, which the schema does not allow", text)
+	}
+	t.Logf("%q", text)
 
 	m := newMesh(t, threeStages, engineOpts, stageOpts{}, stageOpts{}, stageOpts{vocab: vocab})
 	p := m.pipeline(t, Config{WireDType: stage.F32})

@@ -51,9 +51,10 @@ type seqState struct {
 
 	// Last stage only.
 	sampler  *sample.Sampler
-	history  []int32 // token at each position fed so far
-	logprobs int     // -1: none; else the alternatives of each token's log-probability
-	jsonFrom int     // -1: unconstrained; else where the JSON output starts in history
+	history  []int32        // token at each position fed so far
+	logprobs int            // -1: none; else the alternatives of each token's log-probability
+	jsonFrom int            // -1: unconstrained; else where the JSON output starts in history
+	schema   *sample.Schema // the JSON output's schema, if any
 }
 
 // record notes the token fed at pos: it replaces what the history held
@@ -363,12 +364,16 @@ func (l *link) control(step uint64, c wire.Control) error {
 			}
 			q.jsonFrom = -1
 			if p.JSON {
-				jc, err := l.jsonConstraint(q.history, p.JSONFrom)
+				schema, err := p.Schema()
+				if err != nil {
+					return l.stepFailed(step, err)
+				}
+				jc, err := l.jsonConstraint(q.history, p.JSONFrom, schema)
 				if err != nil {
 					return l.stepFailed(step, err)
 				}
 				q.sampler.Constrain(jc)
-				q.jsonFrom = p.JSONFrom
+				q.jsonFrom, q.schema = p.JSONFrom, schema
 			}
 		}
 		if err := e.Open(q.local); err != nil {
@@ -387,7 +392,7 @@ func (l *link) control(step uint64, c wire.Control) error {
 			q.history = q.history[:c.Pos]
 			if q.jsonFrom >= 0 {
 				// The output's state goes back with it.
-				jc, err := l.jsonConstraint(q.history, q.jsonFrom)
+				jc, err := l.jsonConstraint(q.history, q.jsonFrom, q.schema)
 				if err != nil {
 					return l.stepFailed(step, err)
 				}
@@ -413,9 +418,9 @@ func (l *link) control(step uint64, c wire.Control) error {
 	return l.emit(f)
 }
 
-// jsonConstraint starts a sequence's JSON constraint after what it
-// generated (history[from:]).
-func (l *link) jsonConstraint(history []int32, from int) (*sample.JSONConstraint, error) {
+// jsonConstraint starts a sequence's JSON constraint (to schema, if not
+// nil) after what it generated (history[from:]).
+func (l *link) jsonConstraint(history []int32, from int, schema *sample.Schema) (*sample.JSONConstraint, error) {
 	if l.s.cfg.Vocab == nil {
 		return nil, errors.New("this stage cannot keep output JSON: it has no vocabulary")
 	}
@@ -423,7 +428,7 @@ func (l *link) jsonConstraint(history []int32, from int) (*sample.JSONConstraint
 	if err != nil {
 		return nil, fmt.Errorf("keeping output JSON: %w", err)
 	}
-	return sample.NewJSONConstraint(v, history[min(from, len(history)):])
+	return sample.NewJSONConstraint(v, schema, history[min(from, len(history)):])
 }
 
 // run sends one batch through the engine and its output on: hidden states

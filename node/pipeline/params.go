@@ -30,6 +30,7 @@ func samplingToWire(p sample.Params) *wire.Sampling {
 		TopLogprobs:      p.TopLogprobs,
 		JSON:             p.JSON,
 		JSONFrom:         p.JSONFrom,
+		JSONSchema:       p.JSONSchema,
 	}
 }
 
@@ -57,6 +58,7 @@ func samplingFromWire(s *wire.Sampling) (sample.Params, error) {
 		TopLogprobs:      s.TopLogprobs,
 		JSON:             s.JSON,
 		JSONFrom:         s.JSONFrom,
+		JSONSchema:       s.JSONSchema,
 	}
 	if p.TopP == 0 {
 		p.TopP = 1

@@ -40,18 +40,30 @@ func NewVocab(n int, piece func(id int32) (string, error), special, eog func(id 
 // Size is the number of tokens.
 func (v *Vocab) Size() int { return len(v.pieces) }
 
-// JSONConstraint keeps a sequence's output one JSON object: tokens that
-// would break it are masked before sampling, and once the object is
-// complete only an end-of-generation token may follow.
+// JSONConstraint keeps a sequence's output one JSON object (one that a
+// schema allows, when it has one): tokens that would break it are masked
+// before sampling, and once the object is complete only an
+// end-of-generation token may follow.
 type JSONConstraint struct {
 	v *Vocab
-	j *JSON
+	j recognizer
 }
 
-// NewJSONConstraint starts a constraint after the tokens already generated
-// (a replayed sequence's), which must be a valid prefix.
-func NewJSONConstraint(v *Vocab, generated []int32) (*JSONConstraint, error) {
+// recognizer reads a text byte by byte: JSON, or SchemaJSON.
+type recognizer interface {
+	Feed(b []byte) bool
+	Try(b []byte) bool
+	Done() bool
+}
+
+// NewJSONConstraint starts a constraint to any JSON object (schema nil) or
+// to those schema allows, after the tokens already generated (a replayed
+// sequence's), which must be a valid prefix.
+func NewJSONConstraint(v *Vocab, schema *Schema, generated []int32) (*JSONConstraint, error) {
 	c := &JSONConstraint{v: v, j: NewJSON()}
+	if schema != nil {
+		c.j = NewSchemaJSON(schema)
+	}
 	for i, tok := range generated {
 		if !c.allowed(tok) {
 			return nil, fmt.Errorf("generated token %d (id %d) breaks the JSON output", i, tok)

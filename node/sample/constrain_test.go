@@ -39,7 +39,7 @@ func TestConstrainedSampling(t *testing.T) {
 			p.Temperature = 0
 		}
 		s := New(p)
-		c, err := NewJSONConstraint(v, nil)
+		c, err := NewJSONConstraint(v, nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -74,7 +74,7 @@ func TestConstrainedSampling(t *testing.T) {
 			completed++
 		}
 		// A replay resumes the constraint after what was generated.
-		if _, err := NewJSONConstraint(v, history[:len(history)-1]); err != nil && !ended {
+		if _, err := NewJSONConstraint(v, nil, history[:len(history)-1]); err != nil && !ended {
 			t.Fatalf("seed %d: resuming after %q: %v", seed, text.String(), err)
 		}
 	}
@@ -108,7 +108,7 @@ func TestJSONConstraintResume(t *testing.T) {
 		{"broken", ids("{", "x"), false, ""},
 	}
 	for _, tt := range tests {
-		c, err := NewJSONConstraint(v, tt.generated)
+		c, err := NewJSONConstraint(v, nil, tt.generated)
 		if (err == nil) != tt.ok {
 			t.Errorf("%s: %v, want ok %v", tt.name, err, tt.ok)
 			continue

@@ -46,6 +46,10 @@
 // recognizer) refuses gets -Inf, and once the object closes only an
 // end-of-generation token may follow. The recognizer, not the model,
 // decides what is JSON, so a model that never saw JSON writes valid JSON.
+// With a Schema (ParseSchema: OpenAI's structured outputs), SchemaJSON
+// recognizes only the objects the schema allows: the keys it names, the
+// types, enums and required members it sets, following every branch of an
+// anyOf until the bytes decide.
 //
 // A Sampler reuses its scratch space, so sampling does not allocate in the
 // steady state, and it never sorts the vocabulary: top-k keeps a heap of the

@@ -40,6 +40,17 @@ type Params struct {
 	// sequence's constraint resumes after what it already generated.
 	JSON     bool
 	JSONFrom int
+	// JSONSchema, with JSON, is a JSON Schema the object must follow (see
+	// ParseSchema); empty: any object.
+	JSONSchema string
+}
+
+// Schema parses JSONSchema; nil when there is none.
+func (p Params) Schema() (*Schema, error) {
+	if p.JSONSchema == "" {
+		return nil, nil
+	}
+	return ParseSchema([]byte(p.JSONSchema))
 }
 
 // DefaultParams are OpenAI's defaults: temperature 1, no filters, no
@@ -78,6 +89,11 @@ func (p Params) Validate() error {
 		return bad("top_logprobs", p.TopLogprobs, "0 unless logprobs is set")
 	case p.JSONFrom < 0:
 		return bad("json_from", p.JSONFrom, "0 or more")
+	case p.JSONSchema != "" && !p.JSON:
+		return bad("json_schema", "set", "only with JSON output")
+	}
+	if _, err := p.Schema(); err != nil {
+		return fmt.Errorf("response_format json_schema: %w: %w", err, ErrInvalidParams)
 	}
 	return nil
 }

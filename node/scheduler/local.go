@@ -43,7 +43,11 @@ func (l *local) Open(seq stage.SeqID, p sample.Params, prompt []int32) error {
 		if err != nil {
 			return fmt.Errorf("keeping output JSON: %w", err)
 		}
-		jc, err := sample.NewJSONConstraint(v, prompt[min(p.JSONFrom, len(prompt)):])
+		schema, err := p.Schema()
+		if err != nil {
+			return err
+		}
+		jc, err := sample.NewJSONConstraint(v, schema, prompt[min(p.JSONFrom, len(prompt)):])
 		if err != nil {
 			return err
 		}

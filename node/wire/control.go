@@ -63,9 +63,13 @@ type Sampling struct {
 	Logprobs    bool // return each token's log-probability
 	TopLogprobs int  // with this many alternatives, [0, sample.MaxTopLogprobs]
 
-	JSON     bool // keep the output one JSON object
-	JSONFrom int  // where the output starts in the history
+	JSON       bool   // keep the output one JSON object
+	JSONFrom   int    // where the output starts in the history
+	JSONSchema string // the object's JSON Schema; empty: any object
 }
+
+// MaxSchemaBytes bounds Sampling.JSONSchema.
+const MaxSchemaBytes = 64 << 10
 
 func (s *Sampling) check(maxVocab int) error {
 	finite := func(v float32) bool { return !math.IsNaN(float64(v)) && !math.IsInf(float64(v), 0) }
@@ -94,6 +98,10 @@ func (s *Sampling) check(maxVocab int) error {
 		return fmt.Errorf("sampling json_from %d outside [0,%d]", s.JSONFrom, math.MaxInt32)
 	case s.JSONFrom != 0 && !s.JSON:
 		return fmt.Errorf("sampling json_from %d without json_object", s.JSONFrom)
+	case len(s.JSONSchema) > MaxSchemaBytes:
+		return fmt.Errorf("sampling json_schema of %d bytes, over the limit of %d", len(s.JSONSchema), MaxSchemaBytes)
+	case s.JSONSchema != "" && !s.JSON:
+		return fmt.Errorf("sampling json_schema without json_object")
 	}
 	return nil
 }
@@ -167,6 +175,7 @@ func EncodeControl(step uint64, c Control) (*meshnodev1.Frame, error) {
 			TopLogprobs:      uint32(s.TopLogprobs),
 			JsonObject:       s.JSON,
 			JsonFrom:         uint32(s.JSONFrom),
+			JsonSchema:       s.JSONSchema,
 		}
 	}
 	return &meshnodev1.Frame{
@@ -221,6 +230,7 @@ func DecodeControl(f *meshnodev1.Frame, lim Limits) (Control, error) {
 			TopLogprobs:      int(s.GetTopLogprobs()),
 			JSON:             s.GetJsonObject(),
 			JSONFrom:         int(s.GetJsonFrom()),
+			JSONSchema:       s.GetJsonSchema(),
 		}
 	}
 	if err := c.check(lim); err != nil {

@@ -19,6 +19,7 @@ func TestControlRoundTrip(t *testing.T) {
 		{Op: OpOpen, Seq: math.MaxUint64, Sampling: &Sampling{Temperature: 0.7, TopK: 40, TopP: 0.9, MinP: 0.05, Seed: 12345}},
 		{Op: OpOpen, Seq: 5, Sampling: &Sampling{Logprobs: true, TopLogprobs: 20}},
 		{Op: OpOpen, Seq: 6, Sampling: &Sampling{JSON: true, JSONFrom: 12}},
+		{Op: OpOpen, Seq: 7, Sampling: &Sampling{JSON: true, JSONSchema: `{"type":"object"}`}},
 		{Op: OpTrim, Seq: 2, Pos: 0},
 		{Op: OpTrim, Seq: 2, Pos: math.MaxInt32},
 		{Op: OpRelease, Seq: 3},
@@ -64,6 +65,8 @@ func TestControlRejects(t *testing.T) {
 		{"top_logprobs without logprobs", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{TopLogprobs: 2}}, "without logprobs"},
 		{"json_from huge", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{JsonObject: true, JsonFrom: math.MaxUint32}}, "json_from 4294967295"},
 		{"json_from without json", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{JsonFrom: 3}}, "without json_object"},
+		{"json_schema without json", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{JsonSchema: "{}"}}, "json_schema without json_object"},
+		{"json_schema too long", Limits{}, &meshnodev1.SeqControl{Op: meshnodev1.SeqControl_OP_OPEN, Sampling: &meshnodev1.Sampling{JsonObject: true, JsonSchema: strings.Repeat(" ", MaxSchemaBytes+1)}}, "over the limit"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -1117,8 +1117,11 @@ type Sampling struct {
 	// last stage needs the tokenizer's vocabulary for it. json_from is where
 	// the output starts in the history (the prompt's length), so that a
 	// replayed sequence resumes the constraint after what it generated.
-	JsonObject    bool   `protobuf:"varint,12,opt,name=json_object,json=jsonObject,proto3" json:"json_object,omitempty"`
-	JsonFrom      uint32 `protobuf:"varint,13,opt,name=json_from,json=jsonFrom,proto3" json:"json_from,omitempty"`
+	JsonObject bool   `protobuf:"varint,12,opt,name=json_object,json=jsonObject,proto3" json:"json_object,omitempty"`
+	JsonFrom   uint32 `protobuf:"varint,13,opt,name=json_from,json=jsonFrom,proto3" json:"json_from,omitempty"`
+	// With json_object: a JSON Schema (a document, at most 64 KiB) the object
+	// must follow, as node/sample reads it; empty: any object.
+	JsonSchema    string `protobuf:"bytes,14,opt,name=json_schema,json=jsonSchema,proto3" json:"json_schema,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1242,6 +1245,13 @@ func (x *Sampling) GetJsonFrom() uint32 {
 		return x.JsonFrom
 	}
 	return 0
+}
+
+func (x *Sampling) GetJsonSchema() string {
+	if x != nil {
+		return x.JsonSchema
+	}
+	return ""
 }
 
 // Error reports that the request with the frame's step failed.
@@ -1598,7 +1608,7 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\aOP_OPEN\x10\x01\x12\v\n" +
 	"\aOP_TRIM\x10\x02\x12\x0e\n" +
 	"\n" +
-	"OP_RELEASE\x10\x03\"\x9f\x03\n" +
+	"OP_RELEASE\x10\x03\"\xc0\x03\n" +
 	"\bSampling\x12 \n" +
 	"\vtemperature\x18\x01 \x01(\x02R\vtemperature\x12\x13\n" +
 	"\x05top_k\x18\x02 \x01(\rR\x04topK\x12\x13\n" +
@@ -1614,7 +1624,9 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\ftop_logprobs\x18\v \x01(\rR\vtopLogprobs\x12\x1f\n" +
 	"\vjson_object\x18\f \x01(\bR\n" +
 	"jsonObject\x12\x1b\n" +
-	"\tjson_from\x18\r \x01(\rR\bjsonFrom\"\xa2\x02\n" +
+	"\tjson_from\x18\r \x01(\rR\bjsonFrom\x12\x1f\n" +
+	"\vjson_schema\x18\x0e \x01(\tR\n" +
+	"jsonSchema\"\xa2\x02\n" +
 	"\x05Error\x12+\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x17.meshnode.v1.Error.CodeR\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12\x15\n" +

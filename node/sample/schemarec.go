@@ -1,0 +1,510 @@
+package sample
+
+// SchemaJSON recognizes the prefixes of JSON texts that a Schema allows,
+// byte by byte, with the whitespace rules of JSON. Where the schema leaves
+// a choice open until later bytes (anyOf), it follows every branch at once.
+type SchemaJSON struct {
+	configs []config
+}
+
+// config is one way of reading the text so far: the frame being read and
+// the frames it is nested in (never written once pushed: a push copies).
+type config struct {
+	top    frame
+	rest   []frame
+	done   bool
+	spaces int8
+	broke  bool
+}
+
+type frameKind uint8
+
+const (
+	fValue   frameKind = iota // a value of schema s is to come
+	fObject                   // in an object
+	fArray                    // in an array
+	fString                   // in a string value
+	fNumber                   // in a number
+	fLiteral                  // in true, false or null
+	fEnum                     // in one of s.Enum's texts
+)
+
+// Object and array phases.
+const (
+	pFirst = iota // after '{' or '[': a key (value) or the close
+	pNext         // after ',': a key (value)
+	pKey          // in a key
+	pColon        // after a key
+	pChild        // a member's value is being read (a frame above)
+	pAfter        // after a member: ',' or the close
+)
+
+type frame struct {
+	kind  frameKind
+	s     *Schema
+	root  bool
+	phase uint8
+	// Objects: properties used, candidates for the key being read (and
+	// whether it may be an additional one), its length so far, and the
+	// property whose value comes.
+	used, cand uint64
+	extra      bool
+	pos        int
+	prop       int
+	// Strings: 0 text, 1 after '\', 2.. hex digits of \u left + 1.
+	// Numbers: the state as in JSON (jsMinus … jsExpDigits).
+	st      uint8
+	integer bool
+	lit     string
+}
+
+// NewSchemaJSON starts recognizing a text that s allows (its root an
+// object, whose brace comes first).
+func NewSchemaJSON(s *Schema) *SchemaJSON {
+	return &SchemaJSON{configs: []config{{top: frame{kind: fValue, s: s, root: true}}}}
+}
+
+// Done says whether the text read is a whole value the schema allows.
+func (r *SchemaJSON) Done() bool {
+	for _, c := range r.configs {
+		if c.done {
+			return true
+		}
+	}
+	return false
+}
+
+// Feed advances over b; on false r is unusable.
+func (r *SchemaJSON) Feed(b []byte) bool {
+	for _, c := range b {
+		var next []config
+		for _, cf := range r.configs {
+			next = cf.step(c, next)
+		}
+		if len(next) == 0 {
+			r.configs = nil
+			return false
+		}
+		r.configs = next
+	}
+	return true
+}
+
+// Try reports whether b would keep the text allowed, leaving r as it was.
+func (r *SchemaJSON) Try(b []byte) bool {
+	t := SchemaJSON{configs: make([]config, len(r.configs))}
+	for i, c := range r.configs {
+		c.rest = c.rest[:len(c.rest):len(c.rest)] // a push copies
+		t.configs[i] = c
+	}
+	return t.Feed(b)
+}
+
+// push nests a new frame: the current one goes onto the rest.
+func (c *config) push(f frame) {
+	c.rest = append(c.rest, c.top)
+	c.top = f
+}
+
+// complete ends the value in the top frame: the enclosing frame takes over
+// (or the text is done).
+func (c *config) complete() {
+	if len(c.rest) == 0 {
+		c.done = true
+		return
+	}
+	c.top = c.rest[len(c.rest)-1]
+	c.rest = c.rest[:len(c.rest)-1]
+	c.top.phase = pAfter
+}
+
+// space takes whitespace between tokens: one line break and maxSpaces
+// other whitespace bytes in a row.
+func (c *config) space(b byte) bool {
+	if b == '\n' {
+		if c.broke {
+			return false
+		}
+		c.broke = true
+		return true
+	}
+	c.spaces++
+	return c.spaces <= maxSpaces
+}
+
+// step reads byte b in configuration c and appends what follows to out.
+func (c config) step(b byte, out []config) []config {
+	if c.done {
+		return out
+	}
+	inText := c.top.kind == fString || c.top.kind == fObject && c.top.phase == pKey || c.top.kind == fEnum
+	if !inText && !isSpace(b) {
+		c.spaces, c.broke = 0, false
+	}
+	switch c.top.kind {
+	case fValue:
+		if isSpace(b) {
+			if c.top.root || !c.space(b) {
+				return out
+			}
+			return append(out, c)
+		}
+		return c.start(c.top.s, b, out)
+	case fObject:
+		return c.object(b, out)
+	case fArray:
+		return c.array(b, out)
+	case fString:
+		if c.stringByte(b) {
+			return append(out, c)
+		}
+		return out
+	case fNumber:
+		ok, ended := c.numberByte(b)
+		switch {
+		case ended:
+			c.complete()
+			return c.step(b, out) // the byte after the number is the parent's
+		case ok:
+			return append(out, c)
+		}
+		return out
+	case fLiteral:
+		if b != c.top.lit[0] {
+			return out
+		}
+		c.top.lit = c.top.lit[1:]
+		if c.top.lit == "" {
+			c.complete()
+		}
+		return append(out, c)
+	case fEnum:
+		return c.enumByte(b, out)
+	}
+	return out
+}
+
+// start begins a value of schema s at byte b (not whitespace).
+func (c config) start(s *Schema, b byte, out []config) []config {
+	if len(s.AnyOf) > 0 {
+		for _, alt := range s.AnyOf {
+			out = c.start(alt, b, out)
+		}
+		return out
+	}
+	root := c.top.root
+	if s.Enum != nil {
+		var cand uint64
+		for i, e := range s.Enum {
+			if e[0] == b {
+				cand |= 1 << i
+			}
+		}
+		if cand == 0 {
+			return out
+		}
+		c.top = frame{kind: fEnum, s: s, root: root, cand: cand, pos: 1}
+		return append(out, c)
+	}
+	switch {
+	case b == '{' && s.allows("object"):
+		c.top = frame{kind: fObject, s: s, root: root, phase: pFirst}
+	case root:
+		return out // the root is an object
+	case b == '[' && s.allows("array"):
+		c.top = frame{kind: fArray, s: s, phase: pFirst}
+	case b == '"' && s.allows("string"):
+		c.top = frame{kind: fString, s: s}
+	case (b == '-' || isDigit(b)) && s.allows("integer"):
+		c.top = frame{kind: fNumber, s: s, integer: !s.allows("number")}
+		if ok, _ := c.numberByte(b); !ok {
+			return out
+		}
+	case (b == 't' || b == 'f') && s.allows("boolean"):
+		c.top = frame{kind: fLiteral, s: s, lit: map[byte]string{'t': "rue", 'f': "alse"}[b]}
+	case b == 'n' && s.allows("null"):
+		c.top = frame{kind: fLiteral, s: s, lit: "ull"}
+	default:
+		return out
+	}
+	return append(out, c)
+}
+
+// object reads byte b in an object.
+func (c config) object(b byte, out []config) []config {
+	f := &c.top
+	s := f.s
+	switch f.phase {
+	case pFirst, pNext, pColon, pAfter:
+		if isSpace(b) {
+			if !c.space(b) {
+				return out
+			}
+			return append(out, c)
+		}
+	}
+	switch f.phase {
+	case pFirst, pNext:
+		switch {
+		case b == '"':
+			f.phase, f.pos, f.extra = pKey, 0, s.Additional != nil
+			f.cand = 0
+			for i := range s.Properties {
+				if f.used&(1<<i) == 0 {
+					f.cand |= 1 << i
+				}
+			}
+			if f.cand == 0 && !f.extra {
+				return out
+			}
+			return append(out, c)
+		case b == '}' && f.phase == pFirst:
+			return c.closeObject(out)
+		}
+		return out
+	case pKey:
+		if b == '"' {
+			f.prop = -2
+			for i, p := range s.Properties {
+				if f.cand&(1<<i) != 0 && len(p.name) == f.pos {
+					f.prop = i
+				}
+			}
+			if f.prop == -2 {
+				if !f.extra {
+					return out
+				}
+				f.prop = -1
+			} else {
+				f.used |= 1 << f.prop
+			}
+			f.phase = pColon
+			return append(out, c)
+		}
+		if b < 0x20 || b == '\\' {
+			return out // keys are plain text
+		}
+		for i, p := range s.Properties {
+			if f.cand&(1<<i) != 0 && (f.pos >= len(p.name) || p.name[f.pos] != b) {
+				f.cand &^= 1 << i
+			}
+		}
+		f.pos++
+		if f.cand == 0 && !f.extra {
+			return out
+		}
+		return append(out, c)
+	case pColon:
+		if b != ':' {
+			return out
+		}
+		child := s.Additional
+		if f.prop >= 0 {
+			child = s.Properties[f.prop].schema
+		}
+		f.phase = pChild
+		c.push(frame{kind: fValue, s: child})
+		return append(out, c)
+	case pAfter:
+		switch b {
+		case ',':
+			f.phase = pNext
+			return append(out, c)
+		case '}':
+			return c.closeObject(out)
+		}
+	}
+	return out
+}
+
+// closeObject ends an object if every required property came.
+func (c config) closeObject(out []config) []config {
+	for i, req := range c.top.s.Required {
+		if req && c.top.used&(1<<i) == 0 {
+			return out
+		}
+	}
+	c.complete()
+	return append(out, c)
+}
+
+// array reads byte b in an array.
+func (c config) array(b byte, out []config) []config {
+	f := &c.top
+	if isSpace(b) {
+		if !c.space(b) {
+			return out
+		}
+		return append(out, c)
+	}
+	switch f.phase {
+	case pFirst, pNext:
+		if b == ']' && f.phase == pFirst {
+			c.complete()
+			return append(out, c)
+		}
+		items := f.s.Items
+		if items == nil {
+			items = &Schema{}
+		}
+		f.phase = pChild
+		c.push(frame{kind: fValue, s: items})
+		return c.step(b, out)
+	case pAfter:
+		switch b {
+		case ',':
+			f.phase = pNext
+			return append(out, c)
+		case ']':
+			c.complete()
+			return append(out, c)
+		}
+	}
+	return out
+}
+
+// stringByte reads byte b in a string value.
+func (c *config) stringByte(b byte) bool {
+	f := &c.top
+	switch {
+	case f.st == 0:
+		switch {
+		case b == '"':
+			c.complete()
+		case b == '\\':
+			f.st = 1
+		case b < 0x20:
+			return false
+		}
+		return true
+	case f.st == 1:
+		switch b {
+		case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+			f.st = 0
+		case 'u':
+			f.st = 6 // four hex digits: states 6, 5, 4, 3, then back to 0
+		default:
+			return false
+		}
+		return true
+	default:
+		if !isHex(b) {
+			return false
+		}
+		f.st--
+		if f.st == 2 {
+			f.st = 0
+		}
+		return true
+	}
+}
+
+// numberByte reads byte b in a number: ok if it belongs to the number,
+// ended if the number is complete and b is the next token's.
+func (c *config) numberByte(b byte) (ok, ended bool) {
+	f := &c.top
+	st := jsonState(f.st)
+	if f.st == 0 {
+		st = jsValue
+	}
+	next := func(s jsonState) (bool, bool) { f.st = uint8(s); return true, false }
+	switch st {
+	case jsValue:
+		switch {
+		case b == '-':
+			return next(jsMinus)
+		case b == '0':
+			return next(jsZero)
+		case isDigit(b):
+			return next(jsInt)
+		}
+	case jsMinus:
+		switch {
+		case b == '0':
+			return next(jsZero)
+		case isDigit(b):
+			return next(jsInt)
+		}
+	case jsZero, jsInt:
+		switch {
+		case isDigit(b) && st == jsInt:
+			return true, false
+		case b == '.' && !f.integer:
+			return next(jsDot)
+		case (b == 'e' || b == 'E') && !f.integer:
+			return next(jsExp)
+		case !isDigit(b):
+			return false, true
+		}
+	case jsDot:
+		if isDigit(b) {
+			return next(jsFrac)
+		}
+	case jsFrac:
+		switch {
+		case isDigit(b):
+			return true, false
+		case b == 'e' || b == 'E':
+			return next(jsExp)
+		}
+		return false, true
+	case jsExp:
+		switch {
+		case b == '+' || b == '-':
+			return next(jsExpSign)
+		case isDigit(b):
+			return next(jsExpDigits)
+		}
+	case jsExpSign:
+		if isDigit(b) {
+			return next(jsExpDigits)
+		}
+	case jsExpDigits:
+		if isDigit(b) {
+			return true, false
+		}
+		return false, true
+	}
+	return false, false
+}
+
+// enumByte reads byte b in one of the schema's enum texts.
+func (c config) enumByte(b byte, out []config) []config {
+	f := &c.top
+	var cand uint64
+	complete := false
+	for i, e := range f.s.Enum {
+		if f.cand&(1<<i) == 0 {
+			continue
+		}
+		if f.pos < len(e) && e[f.pos] == b {
+			cand |= 1 << i
+		}
+		if f.pos == len(e) {
+			complete = true
+		}
+	}
+	if cand != 0 {
+		f.cand, f.pos = cand, f.pos+1
+		if c.top.root && c.enumDone() {
+			c.complete()
+		}
+		return append(out, c)
+	}
+	if complete {
+		c.complete()
+		return c.step(b, out) // the byte after the value is the parent's
+	}
+	return out
+}
+
+// enumDone says whether a root enum value is complete (an object's text
+// ends at its brace, so nothing can follow).
+func (c *config) enumDone() bool {
+	for i, e := range c.top.s.Enum {
+		if c.top.cand&(1<<i) != 0 && c.top.pos == len(e) {
+			return true
+		}
+	}
+	return false
+}
