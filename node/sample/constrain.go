@@ -8,8 +8,9 @@ import (
 // Vocab is a vocabulary's token texts, what constrained sampling needs to
 // know which tokens may come next.
 type Vocab struct {
-	pieces [][]byte // nil for tokens that never appear in constrained text
-	eog    []int32
+	pieces  [][]byte // nil for tokens that never appear in constrained text
+	eog     []int32
+	byFirst [256][]int32 // tokens with text, by their first byte
 }
 
 // NewVocab reads the texts of tokens [0, n) with piece. Tokens for which
@@ -32,6 +33,7 @@ func NewVocab(n int, piece func(id int32) (string, error), special, eog func(id 
 		}
 		if p != "" {
 			v.pieces[id] = []byte(p)
+			v.byFirst[p[0]] = append(v.byFirst[p[0]], id)
 		}
 	}
 	return v, nil
@@ -45,8 +47,9 @@ func (v *Vocab) Size() int { return len(v.pieces) }
 // before sampling, and once the object is complete only an
 // end-of-generation token may follow.
 type JSONConstraint struct {
-	v *Vocab
-	j recognizer
+	v       *Vocab
+	j       recognizer
+	scratch []bool // allowedSet's
 }
 
 // recognizer reads a text byte by byte: JSON, or SchemaJSON.
@@ -95,21 +98,49 @@ func (c *JSONConstraint) isEOG(tok int32) bool {
 }
 
 // mask sets the logits of tokens that may not come next to -Inf, and says
-// whether any token is left.
+// whether any token is left. Tokens are tried by their first byte: where
+// that byte is refused (most of them, between JSON tokens), none of its
+// tokens is tried.
 func (c *JSONConstraint) mask(l []float32) bool {
 	ninf := float32(math.Inf(-1))
+	allowed := c.allowedSet()
 	left := false
 	for i := range l {
 		if l[i] == ninf {
 			continue
 		}
-		if i >= len(c.v.pieces) || !c.allowed(int32(i)) {
+		if i >= len(allowed) || !allowed[i] {
 			l[i] = ninf
 			continue
 		}
 		left = true
 	}
 	return left
+}
+
+// allowedSet marks the tokens that may come next.
+func (c *JSONConstraint) allowedSet() []bool {
+	if cap(c.scratch) < len(c.v.pieces) {
+		c.scratch = make([]bool, len(c.v.pieces))
+	}
+	allowed := c.scratch[:len(c.v.pieces)]
+	clear(allowed)
+	if c.j.Done() {
+		for _, e := range c.v.eog {
+			allowed[e] = true
+		}
+		return allowed
+	}
+	for first, ids := range c.v.byFirst {
+		if len(ids) == 0 || !c.j.Try([]byte{byte(first)}) {
+			continue
+		}
+		for _, id := range ids {
+			p := c.v.pieces[id]
+			allowed[id] = len(p) == 1 || c.j.Try(p)
+		}
+	}
+	return allowed
 }
 
 // fallback is the token to end with when no token is allowed: the first

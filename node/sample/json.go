@@ -66,6 +66,9 @@ func (j *JSON) Feed(b []byte) bool {
 
 // Try reports whether b would keep the text valid, leaving j as it was.
 func (j *JSON) Try(b []byte) bool {
+	if (j.state == jsString || j.state == jsKeyString) && plainText(b) {
+		return true // most tokens, inside a string
+	}
 	t := *j
 	// Pops shorten the copy's view; pushes reallocate it (cap == len), so
 	// j's stack is never written.

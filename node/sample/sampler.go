@@ -102,8 +102,17 @@ func (s *Sampler) candidates(logits []float32, history []int32) ([]cand, int32) 
 		l[i] = sanitize(x)
 	}
 	s.penalize(l, history)
-	if s.json != nil && !s.json.mask(l) {
-		return nil, s.json.fallback()
+	if s.json != nil {
+		if !(s.p.Temperature > 0) {
+			// Greedy: the best token, if it fits, is the answer, with no
+			// need to try the vocabulary.
+			if top := argmax(l); s.json.allowed(top) && !math.IsInf(float64(l[top]), -1) {
+				return nil, top
+			}
+		}
+		if !s.json.mask(l) {
+			return nil, s.json.fallback()
+		}
 	}
 
 	top := argmax(l)

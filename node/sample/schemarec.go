@@ -5,6 +5,7 @@ package sample
 // a choice open until later bytes (anyOf), it follows every branch at once.
 type SchemaJSON struct {
 	configs []config
+	scratch [2][]config // Try's, kept between calls
 }
 
 // config is one way of reading the text so far: the frame being read and
@@ -91,13 +92,32 @@ func (r *SchemaJSON) Feed(b []byte) bool {
 }
 
 // Try reports whether b would keep the text allowed, leaving r as it was.
+// Its configurations live in scratch buffers kept in r, as masking a
+// vocabulary calls Try once per token.
 func (r *SchemaJSON) Try(b []byte) bool {
-	t := SchemaJSON{configs: make([]config, len(r.configs))}
-	for i, c := range r.configs {
-		c.rest = c.rest[:len(c.rest):len(c.rest)] // a push copies
-		t.configs[i] = c
+	if len(r.configs) == 1 && r.configs[0].top.kind == fString && r.configs[0].top.st == 0 && plainText(b) {
+		return true // most tokens, inside a string
 	}
-	return t.Feed(b)
+	cur := r.scratch[0][:0]
+	for _, c := range r.configs {
+		c.rest = c.rest[:len(c.rest):len(c.rest)] // a push copies
+		cur = append(cur, c)
+	}
+	next := r.scratch[1][:0]
+	ok := true
+	for _, ch := range b {
+		next = next[:0]
+		for _, c := range cur {
+			next = c.step(ch, next)
+		}
+		if len(next) == 0 {
+			ok = false
+			break
+		}
+		cur, next = next, cur
+	}
+	r.scratch[0], r.scratch[1] = cur[:0], next[:0]
+	return ok
 }
 
 // push nests a new frame: the current one goes onto the rest.
@@ -507,4 +527,15 @@ func (c *config) enumDone() bool {
 		}
 	}
 	return false
+}
+
+// plainText says whether b is string content that changes no state: no
+// quote, backslash or control byte.
+func plainText(b []byte) bool {
+	for _, c := range b {
+		if c == '"' || c == '\\' || c < 0x20 {
+			return false
+		}
+	}
+	return true
 }
