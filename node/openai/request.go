@@ -41,6 +41,10 @@ type genParams struct {
 	jsonSchema  string // json_schema's schema, compact
 }
 
+// maxSchemaBytes bounds a json_schema's schema (compact), as the mesh's
+// wire does.
+const maxSchemaBytes = 64 << 10
+
 // maxTopLogprobs is OpenAI's limit on top_logprobs; completions' logprobs
 // (5 at OpenAI) takes as many here.
 const maxTopLogprobs = 20
@@ -342,6 +346,9 @@ func checkResponseFormat(raw json.RawMessage) (jsonObject bool, schema string, e
 		var compact bytes.Buffer
 		if err := json.Compact(&compact, rf.JSONSchema.Schema); err != nil {
 			return false, "", invalidValue("response_format.json_schema.schema", "%v", err)
+		}
+		if compact.Len() > maxSchemaBytes {
+			return false, "", invalidValue("response_format.json_schema.schema", "%d bytes, over the limit of %d", compact.Len(), maxSchemaBytes)
 		}
 		return true, compact.String(), nil
 	case "":

@@ -392,6 +392,7 @@ func TestBadRequests(t *testing.T) {
 		{"top_logprobs negative", "chat", chat(`"logprobs":true,"top_logprobs":-1`), 400, ir, "top_logprobs", "invalid_value", "0 to 20"},
 		{"logit_bias", "chat", chat(`"logit_bias":{"5":1}`), 400, ir, "logit_bias", "unsupported_parameter", ""},
 		{"json_schema without its object", "chat", chat(`"response_format":{"type":"json_schema"}`), 400, ir, "response_format.json_schema", "missing_required_parameter", ""},
+		{"json_schema too large", "chat", chat(`"response_format":{"type":"json_schema","json_schema":{"schema":{"description":"` + strings.Repeat("x", 70000) + `"}}}`), 400, ir, "response_format.json_schema.schema", "invalid_value", "over the limit"},
 		{"response_format string", "chat", chat(`"response_format":"json"`), 400, ir, "response_format", "invalid_type", ""},
 		{"response_format no type", "chat", chat(`"response_format":{}`), 400, ir, "response_format.type", "missing_required_parameter", ""},
 		{"response_format bad", "chat", chat(`"response_format":{"type":"xml"}`), 400, ir, "response_format.type", "invalid_value", ""},

@@ -35,10 +35,15 @@ type property struct {
 }
 
 // maxProps and maxEnum bound a schema's objects and enums: the recognizer
-// tracks them in 64-bit sets.
+// tracks them in 64-bit sets. maxDepth and maxAlternatives bound its
+// nesting and its anyOf branches in all, so that a schema sent by a client
+// cannot make the last stage follow more readings at once than
+// maxConfigs.
 const (
-	maxProps = 64
-	maxEnum  = 64
+	maxProps        = 64
+	maxEnum         = 64
+	maxDepth        = 32
+	maxAlternatives = 64
 )
 
 var ignoredKeywords = map[string]bool{
@@ -60,7 +65,8 @@ func ParseSchema(doc []byte) (*Schema, error) {
 	if err := dec.Decode(&raw); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrSchema, err)
 	}
-	s, err := parseSchema(raw, "schema")
+	var ps schemaParser
+	s, err := ps.parse(raw, "schema", 0)
 	if err != nil {
 		return nil, err
 	}
@@ -70,9 +76,17 @@ func ParseSchema(doc []byte) (*Schema, error) {
 	return s, nil
 }
 
-func parseSchema(raw any, at string) (*Schema, error) {
+// schemaParser counts what bounds a schema as it reads it.
+type schemaParser struct {
+	alternatives int
+}
+
+func (sp *schemaParser) parse(raw any, at string, depth int) (*Schema, error) {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: %s: %s", ErrSchema, at, fmt.Sprintf(format, args...))
+	}
+	if depth > maxDepth {
+		return nil, bad("nested more than %d deep", maxDepth)
 	}
 	if b, ok := raw.(bool); ok {
 		if !b {
@@ -133,7 +147,7 @@ func parseSchema(raw any, at string) (*Schema, error) {
 				if name == "" || bytes.ContainsAny([]byte(name), "\"\\") || bytes.ContainsFunc([]byte(name), func(r rune) bool { return r < 0x20 }) {
 					return nil, bad("property name %q needs escaping, which is not supported", name)
 				}
-				ps, err := parseSchema(props[name], at+".properties."+name)
+				ps, err := sp.parse(props[name], at+".properties."+name, depth+1)
 				if err != nil {
 					return nil, err
 				}
@@ -165,7 +179,7 @@ func parseSchema(raw any, at string) (*Schema, error) {
 	}
 	if v, ok := m["additionalProperties"]; ok {
 		if b, isBool := v.(bool); !isBool || b {
-			extra, err := parseSchema(v, at+".additionalProperties")
+			extra, err := sp.parse(v, at+".additionalProperties", depth+1)
 			if err != nil {
 				return nil, err
 			}
@@ -175,7 +189,7 @@ func parseSchema(raw any, at string) (*Schema, error) {
 		s.Additional = &Schema{} // {"type":"object"} alone: any object
 	}
 	if v, ok := m["items"]; ok {
-		items, err := parseSchema(v, at+".items")
+		items, err := sp.parse(v, at+".items", depth+1)
 		if err != nil {
 			return nil, err
 		}
@@ -220,8 +234,12 @@ func parseSchema(raw any, at string) (*Schema, error) {
 		if !ok || len(list) == 0 {
 			return nil, bad("%s is a list of schemas", k)
 		}
+		sp.alternatives += len(list)
+		if sp.alternatives > maxAlternatives {
+			return nil, bad("more than %d anyOf/oneOf branches in all", maxAlternatives)
+		}
 		for i, x := range list {
-			alt, err := parseSchema(x, fmt.Sprintf("%s.%s[%d]", at, k, i))
+			alt, err := sp.parse(x, fmt.Sprintf("%s.%s[%d]", at, k, i), depth+1)
 			if err != nil {
 				return nil, err
 			}

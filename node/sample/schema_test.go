@@ -80,12 +80,37 @@ func TestParseSchemaErrors(t *testing.T) {
 		{`{"type":"object","properties":{"a":false}}`, "allows nothing"},
 		{`{"type":`, "unsupported JSON schema"},
 		{`{"type":"object","properties":{"a":{"enum":[]}}}`, "enum"},
+		{`{"type":"object","properties":{"a":` + strings.Repeat(`{"type":"array","items":`, 40) + `{}` + strings.Repeat(`}`, 40) + `}}`, "nested more than 32 deep"},
+		{`{"type":"object","properties":{"a":{"anyOf":[` + strings.Repeat(`{"type":"string"},`, 64) + `{"type":"null"}]}}}`, "more than 64 anyOf/oneOf branches"},
 	}
 	for _, tt := range tests {
 		_, err := ParseSchema([]byte(tt.schema))
 		if !errors.Is(err, ErrSchema) || !strings.Contains(err.Error(), tt.want) {
 			t.Errorf("%s: %v, want an error saying %q", tt.schema, err, tt.want)
 		}
+	}
+}
+
+// TestSchemaBranchesStayBounded: anyOf branches that all read the same
+// text (the worst case for following every reading) within ParseSchema's
+// bounds stay within maxConfigs, and the recognizer still accepts.
+func TestSchemaBranchesStayBounded(t *testing.T) {
+	// Five levels of two identical branches (62 in all): 32 readings of
+	// one text.
+	inner := `{"type":"string"}`
+	for range 5 {
+		inner = `{"anyOf":[` + inner + `,` + inner + `]}`
+	}
+	s, err := ParseSchema([]byte(`{"type":"object","properties":{"a":` + inner + `},"required":["a"]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := NewSchemaJSON(s)
+	if !r.Feed([]byte(`{"a":"x`)) || len(r.configs) != 32 {
+		t.Fatalf("%d readings, want 32", len(r.configs))
+	}
+	if !r.Feed([]byte(`"}`)) || !r.Done() {
+		t.Fatal("refused")
 	}
 }
 

@@ -75,6 +75,11 @@ func (r *SchemaJSON) Done() bool {
 	return false
 }
 
+// maxConfigs bounds the readings followed at once. A schema within
+// ParseSchema's bounds stays far below it; past it, the extra readings are
+// dropped, which may refuse a valid text but never accepts an invalid one.
+const maxConfigs = 256
+
 // Feed advances over b; on false r is unusable.
 func (r *SchemaJSON) Feed(b []byte) bool {
 	for _, c := range b {
@@ -82,6 +87,7 @@ func (r *SchemaJSON) Feed(b []byte) bool {
 		for _, cf := range r.configs {
 			next = cf.step(c, next)
 		}
+		next = next[:min(len(next), maxConfigs)]
 		if len(next) == 0 {
 			r.configs = nil
 			return false
@@ -110,6 +116,7 @@ func (r *SchemaJSON) Try(b []byte) bool {
 		for _, c := range cur {
 			next = c.step(ch, next)
 		}
+		next = next[:min(len(next), maxConfigs)]
 		if len(next) == 0 {
 			ok = false
 			break
