@@ -796,7 +796,7 @@ func TestErrors(t *testing.T) {
 		{"unknown chat model", "/v1/chat/completions", `{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}`, 404, "invalid_request_error", "model_not_found", "model"},
 		{"temperature 3", "/v1/completions", `{"model": "stories260K", "prompt": "hi", "temperature": 3}`, 400, "invalid_request_error", "invalid_value", "temperature"},
 		{"top_p 0", "/v1/chat/completions", `{"model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}`, 400, "invalid_request_error", "invalid_value", "top_p"},
-		{"n 2", "/v1/completions", `{"model": "stories260K", "prompt": "hi", "n": 2}`, 400, "invalid_request_error", "unsupported_parameter", "n"},
+		{"n 17", "/v1/completions", `{"model": "stories260K", "prompt": "hi", "n": 17}`, 400, "invalid_request_error", "invalid_value", "n"},
 		{"max_tokens 0", "/v1/completions", `{"model": "stories260K", "prompt": "hi", "max_tokens": 0}`, 400, "invalid_request_error", "invalid_value", "max_tokens"},
 		{"temperature a string", "/v1/completions", `{"model": "stories260K", "prompt": "hi", "temperature": "hot"}`, 400, "invalid_request_error", "invalid_type", "temperature"},
 		{"no messages", "/v1/chat/completions", `{"model": "stories260K"}`, 400, "invalid_request_error", "missing_required_parameter", "messages"},
@@ -839,8 +839,8 @@ func TestErrors(t *testing.T) {
 		sdkError(t, err, 404, "model_not_found", "model")
 		_, err = c.Chat.Completions.New(ctx, sdk.ChatCompletionNewParams{Model: modelID, Messages: msgs, Temperature: sdk.Float(3)})
 		sdkError(t, err, 400, "invalid_value", "temperature")
-		_, err = c.Completions.New(ctx, sdk.CompletionNewParams{Model: modelID, Prompt: sdk.CompletionNewParamsPromptUnion{OfString: sdk.String("hi")}, N: sdk.Int(2)})
-		sdkError(t, err, 400, "unsupported_parameter", "n")
+		_, err = c.Completions.New(ctx, sdk.CompletionNewParams{Model: modelID, Prompt: sdk.CompletionNewParamsPromptUnion{OfString: sdk.String("hi")}, N: sdk.Int(17)})
+		sdkError(t, err, 400, "invalid_value", "n")
 		_, err = c.Completions.New(ctx, sdk.CompletionNewParams{Model: modelID, Prompt: sdk.CompletionNewParamsPromptUnion{OfString: sdk.String(long)}})
 		sdkError(t, err, 400, "context_length_exceeded", "prompt")
 		s := c.Chat.Completions.NewStreaming(ctx, sdk.ChatCompletionNewParams{Model: modelID, Messages: msgs, TopP: sdk.Float(0)})

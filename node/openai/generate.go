@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -109,7 +110,7 @@ func (s *server) generate(w http.ResponseWriter, r *http.Request, m Model, p *ge
 	// context alone would not notice until the handler returns.
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
-	events, err := m.Generate(ctx, GenerateRequest{
+	req := GenerateRequest{
 		RequestID:        li.id,
 		Prompt:           prompt,
 		MaxTokens:        maxTok,
@@ -126,16 +127,35 @@ func (s *server) generate(w http.ResponseWriter, r *http.Request, m Model, p *ge
 		TopLogprobs:      p.topLogprobs,
 		JSON:             p.jsonObject,
 		JSONSchema:       p.jsonSchema,
-	})
-	if err != nil {
-		if r.Context().Err() != nil {
-			return // client gone; nobody to tell
-		}
-		s.writeError(w, r, backendError(err, "generate", a.promptParam()))
-		return
 	}
+	// Each of n choices is a generation of its own; with a seed, choice i
+	// draws with seed+i, so that the choices differ and repeat alike.
+	chans := make([]<-chan Event, 0, p.n)
+	for i := range p.n {
+		ri := req
+		if p.seed != nil && i > 0 {
+			ri.Seed = new(*p.seed + int64(i))
+		}
+		if p.n > 1 {
+			ri.RequestID = fmt.Sprintf("%s/%d", li.id, i)
+		}
+		events, err := m.Generate(ctx, ri)
+		if err != nil {
+			cancel()
+			for _, ch := range chans {
+				go drain(ch)
+			}
+			if r.Context().Err() != nil {
+				return // client gone; nobody to tell
+			}
+			s.writeError(w, r, backendError(err, "generate", a.promptParam()))
+			return
+		}
+		chans = append(chans, events)
+	}
+	events := merge(chans)
 	// Whatever way we leave, the backend must not block on a send nobody reads.
-	defer func() { go drain(events) }()
+	defer func() { go drainIndexed(events) }()
 
 	out := &responder{
 		id:       idPrefix(a) + rand.Text(),
@@ -143,15 +163,44 @@ func (s *server) generate(w http.ResponseWriter, r *http.Request, m Model, p *ge
 		model:    info.ID,
 		api:      a,
 		logprobs: p.logprobs,
+		offsets:  make([]int, p.n),
 	}
 	if p.stream {
-		s.stream(ctx, w, r, events, out, p.includeUsage, len(prompt))
+		s.stream(ctx, w, r, events, p.n, out, p.includeUsage, len(prompt))
 	} else {
-		s.collect(ctx, w, r, events, out, len(prompt))
+		s.collect(ctx, w, r, events, p.n, out, len(prompt))
 	}
 }
 
+// indexed is an event of choice i.
+type indexed struct {
+	i  int
+	ev Event
+}
+
+// merge interleaves the choices' events in the order they come. Each
+// forwarding goroutine ends when its channel closes, which the backend
+// does once the request's context ends; merged closes after the last.
+func merge(chans []<-chan Event) <-chan indexed {
+	merged := make(chan indexed)
+	var wg sync.WaitGroup
+	for i, ch := range chans {
+		wg.Go(func() {
+			for ev := range ch {
+				merged <- indexed{i, ev}
+			}
+		})
+	}
+	go func() { wg.Wait(); close(merged) }()
+	return merged
+}
+
 func drain(events <-chan Event) {
+	for range events {
+	}
+}
+
+func drainIndexed(events <-chan indexed) {
 	for range events {
 	}
 }
@@ -166,16 +215,16 @@ func idPrefix(a api) string {
 var errNoFinalEvent = errors.New("generation ended without a final event")
 
 // next waits for the next event; ok is false when the client is gone.
-func next(ctx context.Context, events <-chan Event) (ev Event, ok bool) {
+func next(ctx context.Context, events <-chan indexed) (ev indexed, ok bool) {
 	select {
 	case <-ctx.Done():
-		return Event{}, false
+		return indexed{}, false
 	case ev, open := <-events:
 		if !open {
 			if ctx.Err() != nil {
-				return Event{}, false
+				return indexed{}, false
 			}
-			ev = Event{Err: errNoFinalEvent}
+			ev = indexed{ev: Event{Err: errNoFinalEvent}}
 		}
 		return ev, true
 	}
@@ -197,32 +246,51 @@ func finish(ev Event, promptLen int) (string, Usage) {
 	return reason, u
 }
 
-func (s *server) collect(ctx context.Context, w http.ResponseWriter, r *http.Request, events <-chan Event, out *responder, promptLen int) {
-	var text strings.Builder
-	var lps []TokenLogprob
+// usageOf sums the choices' usage: the prompt counts once.
+func usageOf(us []Usage) Usage {
+	var total Usage
+	for _, u := range us {
+		total.PromptTokens = max(total.PromptTokens, u.PromptTokens)
+		total.CompletionTokens += u.CompletionTokens
+	}
+	total.TotalTokens = total.PromptTokens + total.CompletionTokens
+	return total
+}
+
+func (s *server) collect(ctx context.Context, w http.ResponseWriter, r *http.Request, events <-chan indexed, n int, out *responder, promptLen int) {
+	texts := make([]strings.Builder, n)
+	lps := make([][]TokenLogprob, n)
+	reasons := make([]string, n)
+	usages := make([]Usage, n)
 	li := infoOf(r)
-	for {
-		ev, ok := next(ctx, events)
+	for left := n; left > 0; {
+		ie, ok := next(ctx, events)
 		if !ok {
 			li.err = "client disconnected"
 			return
 		}
+		ev := ie.ev
 		if ev.Err != nil {
 			s.writeError(w, r, backendError(ev.Err, "generate", out.api.promptParam()))
 			return
 		}
-		text.WriteString(ev.Text)
-		lps = append(lps, ev.Logprobs...)
+		texts[ie.i].WriteString(ev.Text)
+		lps[ie.i] = append(lps[ie.i], ev.Logprobs...)
 		if ev.Done {
-			reason, u := finish(ev, promptLen)
-			li.completionTokens, li.finishReason = u.CompletionTokens, reason
-			s.writeJSON(w, http.StatusOK, out.full(text.String(), lps, reason, u))
-			return
+			reasons[ie.i], usages[ie.i] = finish(ev, promptLen)
+			left--
 		}
 	}
+	u := usageOf(usages)
+	li.completionTokens, li.finishReason = u.CompletionTokens, reasons[0]
+	choices := make([]string, n)
+	for i := range texts {
+		choices[i] = texts[i].String()
+	}
+	s.writeJSON(w, http.StatusOK, out.full(choices, lps, reasons, u))
 }
 
-func (s *server) stream(ctx context.Context, w http.ResponseWriter, r *http.Request, events <-chan Event, out *responder, includeUsage bool, promptLen int) {
+func (s *server) stream(ctx context.Context, w http.ResponseWriter, r *http.Request, events <-chan indexed, n int, out *responder, includeUsage bool, promptLen int) {
 	li := infoOf(r)
 	sse := &sseWriter{w: w, rc: http.NewResponseController(w), timeout: s.cfg.WriteTimeout}
 	defer func() {
@@ -238,20 +306,24 @@ func (s *server) stream(ctx context.Context, w http.ResponseWriter, r *http.Requ
 
 	out.includeUsage = includeUsage
 	if out.api == chatAPI {
-		if sse.send(out.chunk(new(""), nil, true, "")) != nil {
-			return
+		for i := range n {
+			if sse.send(out.chunk(i, new(""), nil, true, "")) != nil {
+				return
+			}
 		}
 	} else if sse.flush() != nil {
 		// Completions have no opening chunk; send the headers now so the
 		// client knows the request was taken before the first token comes.
 		return
 	}
-	for {
-		ev, ok := next(ctx, events)
+	usages := make([]Usage, n)
+	for left := n; left > 0; {
+		ie, ok := next(ctx, events)
 		if !ok {
 			li.err = "client disconnected"
 			return
 		}
+		ev := ie.ev
 		if ev.Err != nil {
 			// Headers are gone, so the error travels as an event; no [DONE]
 			// follows, which tells clients the stream did not complete.
@@ -261,24 +333,27 @@ func (s *server) stream(ctx context.Context, w http.ResponseWriter, r *http.Requ
 			return
 		}
 		if ev.Text != "" || len(ev.Logprobs) != 0 && out.logprobs {
-			if sse.send(out.chunk(&ev.Text, ev.Logprobs, false, "")) != nil {
+			if sse.send(out.chunk(ie.i, &ev.Text, ev.Logprobs, false, "")) != nil {
 				return
 			}
 		}
 		if !ev.Done {
 			continue
 		}
-		reason, u := finish(ev, promptLen)
-		li.completionTokens, li.finishReason = u.CompletionTokens, reason
-		if sse.send(out.chunk(nil, nil, false, reason)) != nil {
+		var reason string
+		reason, usages[ie.i] = finish(ev, promptLen)
+		li.finishReason = reason
+		if sse.send(out.chunk(ie.i, nil, nil, false, reason)) != nil {
 			return
 		}
-		if includeUsage && sse.send(out.usageChunk(u)) != nil {
-			return
-		}
-		_ = sse.write([]byte("[DONE]"))
+		left--
+	}
+	u := usageOf(usages)
+	li.completionTokens = u.CompletionTokens
+	if includeUsage && sse.send(out.usageChunk(u)) != nil {
 		return
 	}
+	_ = sse.write([]byte("[DONE]"))
 }
 
 // sseWriter writes server-sent events, each flushed at once and each
@@ -334,8 +409,8 @@ type responder struct {
 	model        string
 	api          api
 	includeUsage bool
-	logprobs     bool // the request asked for log-probabilities
-	offset       int  // completions' text_offset of the next token
+	logprobs     bool  // the request asked for log-probabilities
+	offsets      []int // completions' text_offset of each choice's next token
 }
 
 type usageJSON struct {
@@ -467,10 +542,10 @@ func (o *responder) chatLogprobs(lps []TokenLogprob) *chatLogprobsJSON {
 	return out
 }
 
-// textLogprobs is completions' logprobs object for lps, nil unless asked
-// for. text_offset counts characters from the start of the completion,
-// across the chunks of a stream.
-func (o *responder) textLogprobs(lps []TokenLogprob) *textLogprobsJSON {
+// textLogprobs is completions' logprobs object for lps of choice i, nil
+// unless asked for. text_offset counts characters from the start of the
+// completion, across the chunks of a stream.
+func (o *responder) textLogprobs(i int, lps []TokenLogprob) *textLogprobsJSON {
 	if !o.logprobs {
 		return nil
 	}
@@ -478,44 +553,52 @@ func (o *responder) textLogprobs(lps []TokenLogprob) *textLogprobsJSON {
 		Tokens: make([]string, len(lps)), TokenLogprobs: make([]float64, len(lps)),
 		TopLogprobs: make([]map[string]float64, len(lps)), TextOffset: make([]int, len(lps)),
 	}
-	for i, lp := range lps {
-		out.Tokens[i], out.TokenLogprobs[i], out.TextOffset[i] = lp.Token, logprobJSON(lp.Logprob), o.offset
-		o.offset += len([]rune(lp.Token))
+	for k, lp := range lps {
+		out.Tokens[k], out.TokenLogprobs[k], out.TextOffset[k] = lp.Token, logprobJSON(lp.Logprob), o.offsets[i]
+		o.offsets[i] += len([]rune(lp.Token))
 		top := make(map[string]float64, len(lp.Top))
 		for _, t := range lp.Top {
 			if _, dup := top[t.Token]; !dup { // two tokens of one spelling: the likelier
 				top[t.Token] = logprobJSON(t.Logprob)
 			}
 		}
-		out.TopLogprobs[i] = top
+		out.TopLogprobs[k] = top
 	}
 	return out
 }
 
 var nullJSON = json.RawMessage("null")
 
-func (o *responder) full(text string, lps []TokenLogprob, reason string, u Usage) any {
+func (o *responder) full(texts []string, lps [][]TokenLogprob, reasons []string, u Usage) any {
 	if o.api == chatAPI {
+		choices := make([]chatChoiceJSON, len(texts))
+		for i, text := range texts {
+			choices[i] = chatChoiceJSON{
+				Index:        i,
+				Message:      chatMessageJSON{Role: "assistant", Content: text},
+				Logprobs:     o.chatLogprobs(lps[i]),
+				FinishReason: reasons[i],
+			}
+		}
 		return chatCompletionJSON{
 			ID: o.id, Object: "chat.completion", Created: o.created, Model: o.model,
-			Choices: []chatChoiceJSON{{
-				Message:      chatMessageJSON{Role: "assistant", Content: text},
-				Logprobs:     o.chatLogprobs(lps),
-				FinishReason: reason,
-			}},
-			Usage: toUsageJSON(u),
+			Choices: choices, Usage: toUsageJSON(u),
 		}
+	}
+	choices := make([]textCompletionChoice, len(texts))
+	for i, text := range texts {
+		choices[i] = textCompletionChoice{Text: text, Index: i, Logprobs: o.textLogprobs(i, lps[i]), FinishReason: &reasons[i]}
 	}
 	return textCompletionJSON{
 		ID: o.id, Object: "text_completion", Created: o.created, Model: o.model,
-		Choices: []textCompletionChoice{{Text: text, Logprobs: o.textLogprobs(lps), FinishReason: &reason}},
-		Usage:   mustJSON(toUsageJSON(u)),
+		Choices: choices, Usage: mustJSON(toUsageJSON(u)),
 	}
 }
 
-// chunk is one stream event: text (nil: none) with the log-probabilities
-// of its tokens, the role opener, or the closing chunk when reason is set.
-func (o *responder) chunk(text *string, lps []TokenLogprob, role bool, reason string) any {
+// chunk is one stream event of choice i: text (nil: none) with the
+// log-probabilities of its tokens, the role opener, or the closing chunk
+// when reason is set.
+func (o *responder) chunk(i int, text *string, lps []TokenLogprob, role bool, reason string) any {
 	var usage json.RawMessage
 	if o.includeUsage {
 		usage = nullJSON
@@ -529,7 +612,7 @@ func (o *responder) chunk(text *string, lps []TokenLogprob, role bool, reason st
 		if role {
 			d.Role = "assistant"
 		}
-		c := chatChunkChoiceJSON{Delta: d, FinishReason: fr}
+		c := chatChunkChoiceJSON{Index: i, Delta: d, FinishReason: fr}
 		if text != nil && !role {
 			c.Logprobs = o.chatLogprobs(lps)
 		}
@@ -539,9 +622,9 @@ func (o *responder) chunk(text *string, lps []TokenLogprob, role bool, reason st
 			Usage:   usage,
 		}
 	}
-	c := textCompletionChoice{FinishReason: fr}
+	c := textCompletionChoice{Index: i, FinishReason: fr}
 	if text != nil {
-		c.Text, c.Logprobs = *text, o.textLogprobs(lps)
+		c.Text, c.Logprobs = *text, o.textLogprobs(i, lps)
 	}
 	return textCompletionJSON{
 		ID: o.id, Object: "text_completion", Created: o.created, Model: o.model,

@@ -21,6 +21,7 @@ const noTools = "tool calling is not supported"
 // genParams are the request fields shared by both endpoints, validated.
 type genParams struct {
 	model        string
+	n            int // choices, 1..maxChoices
 	stream       bool
 	includeUsage bool
 	maxTokens    int // 0: the client set no limit
@@ -40,6 +41,9 @@ type genParams struct {
 	jsonObject  bool   // response_format json_object or json_schema
 	jsonSchema  string // json_schema's schema, compact
 }
+
+// maxChoices bounds n: each choice is a sequence of its own.
+const maxChoices = 16
 
 // maxSchemaBytes bounds a json_schema's schema (compact), as the mesh's
 // wire does.
@@ -447,7 +451,7 @@ func (c *completionRequest) parseTokens(raw json.RawMessage) *apiError {
 
 // validate checks the shared fields and fills OpenAI's defaults.
 func (j *commonJSON) validate() (genParams, *apiError) {
-	p := genParams{temperature: 1, topP: 1, repeatPenalty: 1}
+	p := genParams{n: 1, temperature: 1, topP: 1, repeatPenalty: 1}
 	if j.Model == nil || *j.Model == "" {
 		return p, missingParam("model")
 	}
@@ -460,9 +464,10 @@ func (j *commonJSON) validate() (genParams, *apiError) {
 		if *j.N < 1 {
 			return p, invalidValue("n", "must be at least 1, got %d", *j.N)
 		}
-		if *j.N > 1 {
-			return p, unsupported("n", "values above 1 are not supported; this server returns one choice")
+		if *j.N > maxChoices {
+			return p, invalidValue("n", "must be at most %d, got %d", maxChoices, *j.N)
 		}
+		p.n = *j.N
 	}
 	for _, mt := range []struct {
 		name string

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http/httptest"
+	"slices"
 	"testing"
 	"time"
 
@@ -192,8 +193,8 @@ func TestSDKErrors(t *testing.T) {
 	_, err = client.Chat.Completions.New(ctx, sdk.ChatCompletionNewParams{Model: "busy", Messages: userMsg("hi")})
 	sdkStatus(t, err, 429, "rate_limit_exceeded")
 
-	_, err = client.Chat.Completions.New(ctx, sdk.ChatCompletionNewParams{Model: "llama", Messages: userMsg("hi"), N: sdk.Int(3)})
-	sdkStatus(t, err, 400, "unsupported_parameter")
+	_, err = client.Chat.Completions.New(ctx, sdk.ChatCompletionNewParams{Model: "llama", Messages: userMsg("hi"), N: sdk.Int(20)})
+	sdkStatus(t, err, 400, "invalid_value")
 
 	stream := client.Chat.Completions.NewStreaming(ctx, sdk.ChatCompletionNewParams{Model: "busy", Messages: userMsg("hi")})
 	for stream.Next() {
@@ -267,5 +268,69 @@ func TestSDKLogprobs(t *testing.T) {
 	if fmt.Sprint(lp.Tokens) != "[Hé  yo]" || fmt.Sprint(lp.TokenLogprobs) != "[-0.25 -0.5]" ||
 		fmt.Sprint(lp.TextOffset) != "[0 2]" || len(lp.TopLogprobs) != 2 || lp.TopLogprobs[1][" yo"] != -0.5 {
 		t.Errorf("completion logprobs %+v", lp)
+	}
+}
+
+// TestSDKChoices: n choices are n generations, each seeded with seed+i,
+// read by the SDK whole and streamed (its accumulator sorts the chunks by
+// index); usage counts the prompt once.
+func TestSDKChoices(t *testing.T) {
+	m := newModel("llama", "a", "b")
+	client, _ := sdkSetup(t, m)
+	ctx := context.Background()
+	resp, err := client.Chat.Completions.New(ctx, sdk.ChatCompletionNewParams{
+		Model: "llama", Messages: userMsg("hi"), N: sdk.Int(3), Seed: sdk.Int(10), Logprobs: sdk.Bool(true),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Choices) != 3 {
+		t.Fatalf("%d choices", len(resp.Choices))
+	}
+	for i, c := range resp.Choices {
+		if c.Index != int64(i) || c.Message.Content != "ab" || c.FinishReason != "stop" || len(c.Logprobs.Content) != 2 {
+			t.Errorf("choice %d: %+v", i, c)
+		}
+	}
+	prompt := int64(len(m.lastReq().Prompt))
+	if resp.Usage.PromptTokens != prompt || resp.Usage.CompletionTokens != 6 || resp.Usage.TotalTokens != prompt+6 {
+		t.Errorf("usage %+v", resp.Usage)
+	}
+	m.mu.Lock()
+	var seeds []int64
+	for _, r := range m.reqs[len(m.reqs)-3:] {
+		seeds = append(seeds, *r.Seed)
+	}
+	m.mu.Unlock()
+	slices.Sort(seeds)
+	if fmt.Sprint(seeds) != "[10 11 12]" {
+		t.Errorf("seeds %v", seeds)
+	}
+
+	stream := client.Chat.Completions.NewStreaming(ctx, sdk.ChatCompletionNewParams{
+		Model: "llama", Messages: userMsg("hi"), N: sdk.Int(2),
+		StreamOptions: sdk.ChatCompletionStreamOptionsParam{IncludeUsage: sdk.Bool(true)},
+	})
+	var acc sdk.ChatCompletionAccumulator
+	for stream.Next() {
+		acc.AddChunk(stream.Current())
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if len(acc.Choices) != 2 || acc.Choices[0].Message.Content != "ab" || acc.Choices[1].Message.Content != "ab" ||
+		acc.Choices[1].FinishReason != "stop" || acc.Usage.CompletionTokens != 4 {
+		t.Errorf("accumulated %+v, usage %+v", acc.Choices, acc.Usage)
+	}
+
+	cresp, err := client.Completions.New(ctx, sdk.CompletionNewParams{
+		Model: "llama", Prompt: sdk.CompletionNewParamsPromptUnion{OfString: sdk.String("x")}, N: sdk.Int(2), Logprobs: sdk.Int(0),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cresp.Choices) != 2 || cresp.Choices[1].Index != 1 || cresp.Choices[1].Text != "ab" ||
+		fmt.Sprint(cresp.Choices[1].Logprobs.TextOffset) != "[0 1]" {
+		t.Errorf("completion choices %+v", cresp.Choices)
 	}
 }

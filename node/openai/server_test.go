@@ -366,7 +366,7 @@ func TestBadRequests(t *testing.T) {
 		{"part without text", "chat", `{"model":"m","messages":[{"role":"user","content":[{"type":"text"}]}]}`, 400, ir, "messages[0].content[0].text", "missing_required_parameter", ""},
 		{"tool calls", "chat", `{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"x"}]}]}`, 400, ir, "messages[0].tool_calls", "unsupported_parameter", ""},
 		{"unknown model", "chat", `{"model":"zzz",` + msgs + `}`, 404, ir, "model", "model_not_found", "zzz"},
-		{"n=2", "chat", chat(`"n":2`), 400, ir, "n", "unsupported_parameter", "not supported"},
+		{"n=17", "chat", chat(`"n":17`), 400, ir, "n", "invalid_value", "at most 16"},
 		{"n=0", "chat", chat(`"n":0`), 400, ir, "n", "invalid_value", "at least 1"},
 		{"temperature high", "chat", chat(`"temperature":2.5`), 400, ir, "temperature", "invalid_value", "2.5 is outside [0, 2]"},
 		{"temperature negative", "chat", chat(`"temperature":-0.1`), 400, ir, "temperature", "invalid_value", ""},
@@ -412,7 +412,7 @@ func TestBadRequests(t *testing.T) {
 		{"completion top_logprobs", "cmpl", `{"model":"m","prompt":"a","logprobs":2,"top_logprobs":2}`, 400, ir, "top_logprobs", "invalid_value", "chat completions parameter"},
 		{"echo", "cmpl", `{"model":"m","prompt":"a","echo":true}`, 400, ir, "echo", "unsupported_parameter", ""},
 		{"best_of", "cmpl", `{"model":"m","prompt":"a","best_of":3}`, 400, ir, "best_of", "unsupported_parameter", ""},
-		{"cmpl n", "cmpl", `{"model":"m","prompt":"a","n":3}`, 400, ir, "n", "unsupported_parameter", ""},
+		{"cmpl n", "cmpl", `{"model":"m","prompt":"a","n":100}`, 400, ir, "n", "invalid_value", ""},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -2,6 +2,7 @@ package openai
 
 import (
 	"encoding/json"
+	"errors"
 	"strings"
 	"testing"
 )
@@ -134,5 +135,53 @@ func TestResponseFormat(t *testing.T) {
 		if r := m.lastReq(); rec.Code != 200 || r.JSON != tt.json || r.JSONSchema != tt.schema {
 			t.Errorf("%s: %d, JSON %v schema %q, want %v %q", tt.format, rec.Code, r.JSON, r.JSONSchema, tt.json, tt.schema)
 		}
+	}
+}
+
+// TestChoicesStream: with n, a chat stream opens every choice, carries each
+// chunk under its index, closes each, and a failure of any choice ends the
+// stream with the error and no [DONE].
+func TestChoicesStream(t *testing.T) {
+	m := newModel("m", "x", "y")
+	h := NewHandler(newFake(m), Config{})
+	evs := sseEvents(t, serve(t, h, "POST", "/v1/chat/completions", `{"model":"m","stream":true,"n":2,"messages":[{"role":"user","content":"hi"}]}`).Body.String())
+	if len(evs) == 0 || evs[len(evs)-1] != "[DONE]" {
+		t.Fatalf("events %q", evs)
+	}
+	text := map[float64]string{}
+	finished := map[float64]int{}
+	for k, ev := range evs[:len(evs)-1] {
+		var v struct {
+			Choices []struct {
+				Index float64 `json:"index"`
+				Delta struct {
+					Role    string  `json:"role"`
+					Content *string `json:"content"`
+				} `json:"delta"`
+				FinishReason *string `json:"finish_reason"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(ev), &v); err != nil || len(v.Choices) != 1 {
+			t.Fatalf("event %d: %s", k, ev)
+		}
+		c := v.Choices[0]
+		if k < 2 && (c.Delta.Role != "assistant" || c.Index != float64(k)) {
+			t.Errorf("event %d is not choice %d's opener: %s", k, k, ev)
+		}
+		if c.Delta.Content != nil {
+			text[c.Index] += *c.Delta.Content
+		}
+		if c.FinishReason != nil {
+			finished[c.Index]++
+		}
+	}
+	if text[0] != "xy" || text[1] != "xy" || finished[0] != 1 || finished[1] != 1 {
+		t.Errorf("texts %v, finishes %v", text, finished)
+	}
+
+	m.midErr = errors.New("device lost")
+	evs = sseEvents(t, serve(t, h, "POST", "/v1/chat/completions", `{"model":"m","stream":true,"n":2,"messages":[{"role":"user","content":"hi"}]}`).Body.String())
+	if last := evs[len(evs)-1]; last == "[DONE]" || !strings.Contains(last, "device lost") {
+		t.Errorf("a failed choice ended the stream with %q", last)
 	}
 }

@@ -175,3 +175,37 @@ func TestJSONSchemaOverHTTP(t *testing.T) {
 	}
 	t.Logf("an unsupported schema: %s", apiErr.Message)
 }
+
+// TestChoicesOverHTTP: n choices run as n sequences batched together, and
+// choice i is exactly what a request of its own seeded seed+i gives.
+func TestChoicesOverHTTP(t *testing.T) {
+	ctx := context.Background()
+	c := sdkClient()
+	params := func(n, seed int64) sdk.CompletionNewParams {
+		return sdk.CompletionNewParams{
+			Model: modelID, Prompt: sdk.CompletionNewParamsPromptUnion{OfString: sdk.String("Once upon a time")},
+			MaxTokens: sdk.Int(24), Temperature: sdk.Float(1), Seed: sdk.Int(seed), N: sdk.Int(n),
+		}
+	}
+	resp, err := c.Completions.New(ctx, params(3, 40))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Choices) != 3 {
+		t.Fatalf("%d choices", len(resp.Choices))
+	}
+	distinct := map[string]bool{}
+	for i, ch := range resp.Choices {
+		one, err := c.Completions.New(ctx, params(1, 40+int64(i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ch.Text != one.Choices[0].Text {
+			t.Errorf("choice %d: %q, alone with seed %d: %q", i, ch.Text, 40+i, one.Choices[0].Text)
+		}
+		distinct[ch.Text] = true
+	}
+	if len(distinct) < 2 {
+		t.Errorf("three sampled choices are one text: %q", resp.Choices[0].Text)
+	}
+}
