@@ -36,6 +36,7 @@ func TestSplitMesh(t *testing.T) {
 				m.checkHoldings(t)
 				if model == stories && wire == "f32" {
 					checkJSONAndLogprobs(t, m.nodes)
+					checkChoices(t, m.nodes[len(m.nodes)-1])
 				}
 			})
 		}
@@ -112,6 +113,44 @@ func checkJSONAndLogprobs(t *testing.T, nodes []*meshNode) {
 			first = content
 		} else if content != first {
 			t.Errorf("%s: %q, through %s %q", n.name, content, nodes[0].name, first)
+		}
+	}
+}
+
+// checkChoices: n sampled choices through a split mesh, batched together,
+// are each what a request of its own seeded seed+i gives.
+func checkChoices(t *testing.T, n *meshNode) {
+	t.Helper()
+	texts := func(choices int, seed int) []string {
+		body, _ := json.Marshal(map[string]any{"model": stories.id, "prompt": "Once upon a time", "max_tokens": 24,
+			"temperature": 1, "seed": seed, "n": choices})
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		resp, err := n.request(ctx, http.MethodPost, "/v1/completions", body)
+		if err != nil {
+			t.Fatalf("%s: %v", n.name, err)
+		}
+		data, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		var r struct {
+			Choices []struct {
+				Text  string `json:"text"`
+				Index int    `json:"index"`
+			} `json:"choices"`
+		}
+		if resp.StatusCode != http.StatusOK || json.Unmarshal(data, &r) != nil || len(r.Choices) != choices {
+			t.Fatalf("%s: %s: %s", n.name, resp.Status, data)
+		}
+		out := make([]string, choices)
+		for _, c := range r.Choices {
+			out[c.Index] = c.Text
+		}
+		return out
+	}
+	all := texts(3, 70)
+	for i, text := range all {
+		if alone := texts(1, 70+i)[0]; text != alone {
+			t.Errorf("%s: choice %d %q, alone with seed %d %q", n.name, i, text, 70+i, alone)
 		}
 	}
 }
