@@ -30,7 +30,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/meshnode/meshnode/node"
-	"github.com/meshnode/meshnode/node/internal/sse"
+	"github.com/meshnode/meshnode/node/sse"
 	"github.com/meshnode/meshnode/stage"
 )
 

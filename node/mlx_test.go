@@ -26,7 +26,7 @@ import (
 	"github.com/meshnode/meshnode/mlxstage/safetensors"
 	"github.com/meshnode/meshnode/mlxstage/synthst"
 	"github.com/meshnode/meshnode/node"
-	"github.com/meshnode/meshnode/node/internal/sse"
+	"github.com/meshnode/meshnode/node/sse"
 	"github.com/meshnode/meshnode/stage"
 )
 

@@ -29,8 +29,8 @@ import (
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/node"
-	"github.com/meshnode/meshnode/node/internal/sse"
 	"github.com/meshnode/meshnode/node/openai"
+	"github.com/meshnode/meshnode/node/sse"
 	"github.com/meshnode/meshnode/stage"
 )
 

@@ -14,6 +14,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/meshnode/meshnode/node/sse"
 )
 
 func runChat(ctx context.Context, args []string) error {
@@ -388,18 +390,8 @@ func (c *chatClient) reply(ctx context.Context, out io.Writer, msgs []chatMessag
 	var answer strings.Builder
 	var first time.Duration
 	var completion int
-	done := false
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 16<<20)
-	for sc.Scan() {
-		payload, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok {
-			continue
-		}
-		if payload == "[DONE]" {
-			done = true
-			break
-		}
+	var failed error // the node's own error event, as opposed to a broken stream
+	err = sse.Each(resp.Body, func(data []byte) error {
 		var chunk struct {
 			Choices []struct {
 				Delta struct {
@@ -413,12 +405,12 @@ func (c *chatClient) reply(ctx context.Context, out io.Writer, msgs []chatMessag
 				Message string `json:"message"`
 			} `json:"error"`
 		}
-		if err := json.Unmarshal([]byte(payload), &chunk); err != nil {
-			return answer.String(), fmt.Errorf("a reply chunk that is not JSON: %w", err)
+		if err := json.Unmarshal(data, &chunk); err != nil {
+			return fmt.Errorf("a reply chunk that is not JSON: %w", err)
 		}
 		if chunk.Error != nil {
-			endLine(out, answer.String())
-			return answer.String(), fmt.Errorf("the node failed mid-reply: %s", chunk.Error.Message)
+			failed = fmt.Errorf("the node failed mid-reply: %s", chunk.Error.Message)
+			return failed
 		}
 		if chunk.Usage != nil {
 			completion = chunk.Usage.CompletionTokens
@@ -433,15 +425,15 @@ func (c *chatClient) reply(ctx context.Context, out io.Writer, msgs []chatMessag
 			answer.WriteString(ch.Delta.Content)
 			fmt.Fprint(out, ch.Delta.Content)
 		}
-	}
+		return nil
+	})
 	endLine(out, answer.String())
-	if err := sc.Err(); err != nil || !done {
-		if ctx.Err() != nil {
-			return answer.String(), context.Cause(ctx)
-		}
-		if err == nil {
-			err = io.ErrUnexpectedEOF
-		}
+	switch {
+	case failed != nil:
+		return answer.String(), failed
+	case err != nil && ctx.Err() != nil:
+		return answer.String(), context.Cause(ctx)
+	case err != nil:
 		return answer.String(), fmt.Errorf("the reply broke off: %w", err)
 	}
 	if c.opts.verbose {

@@ -34,7 +34,7 @@ import (
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/node"
 	"github.com/meshnode/meshnode/node/internal/netdelay"
-	"github.com/meshnode/meshnode/node/internal/sse"
+	"github.com/meshnode/meshnode/node/sse"
 )
 
 // MeshConfig of a mesh benchmark.

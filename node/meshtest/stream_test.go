@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshnode/meshnode/node/internal/sse"
+	"github.com/meshnode/meshnode/node/sse"
 )
 
 // streamClient has no overall timeout: a stream lasts as long as its

@@ -1,7 +1,8 @@
 // Package sse reads a server-sent event stream as the OpenAI API writes
 // it: "data: <json>" lines separated by blank lines, ended by
-// "data: [DONE]". The tests, the load test and the mesh benchmark read
-// meshnode's streams through it, each with checks of its own.
+// "data: [DONE]". meshnode chat, the tests, the load test and the mesh
+// benchmark read meshnode's streams through it, each with checks of its
+// own.
 package sse
 
 import (
