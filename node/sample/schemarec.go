@@ -11,11 +11,10 @@ type SchemaJSON struct {
 // config is one way of reading the text so far: the frame being read and
 // the frames it is nested in (never written once pushed: a push copies).
 type config struct {
-	top    frame
-	rest   []frame
-	done   bool
-	spaces int8
-	broke  bool
+	top  frame
+	rest []frame
+	done bool
+	ws   spaceRun
 }
 
 type frameKind uint8
@@ -52,11 +51,10 @@ type frame struct {
 	extra      bool
 	pos        int
 	prop       int
-	// Strings: 0 text, 1 after '\', 2.. hex digits of \u left + 1.
-	// Numbers: the state as in JSON (jsMinus … jsExpDigits).
-	st      uint8
-	integer bool
-	lit     string
+	str        strState  // strings: how far into an escape
+	num        jsonState // numbers: jsValue before the first byte, then as in numberStep
+	integer    bool      // numbers: no fraction or exponent
+	lit        string
 }
 
 // NewSchemaJSON starts recognizing a text that s allows (its root an
@@ -101,7 +99,7 @@ func (r *SchemaJSON) Feed(b []byte) bool {
 // Its configurations live in scratch buffers kept in r, as masking a
 // vocabulary calls Try once per token.
 func (r *SchemaJSON) Try(b []byte) bool {
-	if len(r.configs) == 1 && r.configs[0].top.kind == fString && r.configs[0].top.st == 0 && plainText(b) {
+	if len(r.configs) == 1 && r.configs[0].top.kind == fString && r.configs[0].top.str == strText && plainText(b) {
 		return true // most tokens, inside a string
 	}
 	cur := r.scratch[0][:0]
@@ -145,18 +143,12 @@ func (c *config) complete() {
 	c.top.phase = pAfter
 }
 
-// space takes whitespace between tokens: one line break and maxSpaces
-// other whitespace bytes in a row.
-func (c *config) space(b byte) bool {
-	if b == '\n' {
-		if c.broke {
-			return false
-		}
-		c.broke = true
-		return true
+// space takes whitespace b between tokens into out (see spaceRun).
+func (c config) space(b byte, out []config) []config {
+	if !c.ws.take(b) {
+		return out
 	}
-	c.spaces++
-	return c.spaces <= maxSpaces
+	return append(out, c)
 }
 
 // step reads byte b in configuration c and appends what follows to out.
@@ -166,15 +158,15 @@ func (c config) step(b byte, out []config) []config {
 	}
 	inText := c.top.kind == fString || c.top.kind == fObject && c.top.phase == pKey || c.top.kind == fEnum
 	if !inText && !isSpace(b) {
-		c.spaces, c.broke = 0, false
+		c.ws = spaceRun{}
 	}
 	switch c.top.kind {
 	case fValue:
 		if isSpace(b) {
-			if c.top.root || !c.space(b) {
+			if c.top.root {
 				return out
 			}
-			return append(out, c)
+			return c.space(b, out)
 		}
 		return c.start(c.top.s, b, out)
 	case fObject:
@@ -247,10 +239,9 @@ func (c config) start(s *Schema, b byte, out []config) []config {
 		if ok, _ := c.numberByte(b); !ok {
 			return out
 		}
-	case (b == 't' || b == 'f') && s.allows("boolean"):
-		c.top = frame{kind: fLiteral, s: s, lit: map[byte]string{'t': "rue", 'f': "alse"}[b]}
-	case b == 'n' && s.allows("null"):
-		c.top = frame{kind: fLiteral, s: s, lit: "ull"}
+	case (b == 't' || b == 'f') && s.allows("boolean"), b == 'n' && s.allows("null"):
+		rest, _ := literalRest(b)
+		c.top = frame{kind: fLiteral, s: s, lit: rest}
 	default:
 		return out
 	}
@@ -261,14 +252,8 @@ func (c config) start(s *Schema, b byte, out []config) []config {
 func (c config) object(b byte, out []config) []config {
 	f := &c.top
 	s := f.s
-	switch f.phase {
-	case pFirst, pNext, pColon, pAfter:
-		if isSpace(b) {
-			if !c.space(b) {
-				return out
-			}
-			return append(out, c)
-		}
+	if isSpace(b) && f.phase != pKey && f.phase != pChild {
+		return c.space(b, out)
 	}
 	switch f.phase {
 	case pFirst, pNext:
@@ -359,10 +344,7 @@ func (c config) closeObject(out []config) []config {
 func (c config) array(b byte, out []config) []config {
 	f := &c.top
 	if isSpace(b) {
-		if !c.space(b) {
-			return out
-		}
-		return append(out, c)
+		return c.space(b, out)
 	}
 	switch f.phase {
 	case pFirst, pNext:
@@ -392,107 +374,23 @@ func (c config) array(b byte, out []config) []config {
 
 // stringByte reads byte b in a string value.
 func (c *config) stringByte(b byte) bool {
-	f := &c.top
-	switch {
-	case f.st == 0:
-		switch {
-		case b == '"':
-			c.complete()
-		case b == '\\':
-			f.st = 1
-		case b < 0x20:
-			return false
-		}
-		return true
-	case f.st == 1:
-		switch b {
-		case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
-			f.st = 0
-		case 'u':
-			f.st = 6 // four hex digits: states 6, 5, 4, 3, then back to 0
-		default:
-			return false
-		}
-		return true
-	default:
-		if !isHex(b) {
-			return false
-		}
-		f.st--
-		if f.st == 2 {
-			f.st = 0
-		}
-		return true
+	next, closed, ok := stringStep(c.top.str, b)
+	if !ok {
+		return false
 	}
+	c.top.str = next
+	if closed {
+		c.complete()
+	}
+	return true
 }
 
 // numberByte reads byte b in a number: ok if it belongs to the number,
 // ended if the number is complete and b is the next token's.
 func (c *config) numberByte(b byte) (ok, ended bool) {
-	f := &c.top
-	st := jsonState(f.st)
-	if f.st == 0 {
-		st = jsValue
-	}
-	next := func(s jsonState) (bool, bool) { f.st = uint8(s); return true, false }
-	switch st {
-	case jsValue:
-		switch {
-		case b == '-':
-			return next(jsMinus)
-		case b == '0':
-			return next(jsZero)
-		case isDigit(b):
-			return next(jsInt)
-		}
-	case jsMinus:
-		switch {
-		case b == '0':
-			return next(jsZero)
-		case isDigit(b):
-			return next(jsInt)
-		}
-	case jsZero, jsInt:
-		switch {
-		case isDigit(b) && st == jsInt:
-			return true, false
-		case b == '.' && !f.integer:
-			return next(jsDot)
-		case (b == 'e' || b == 'E') && !f.integer:
-			return next(jsExp)
-		case !isDigit(b):
-			return false, true
-		}
-	case jsDot:
-		if isDigit(b) {
-			return next(jsFrac)
-		}
-	case jsFrac:
-		switch {
-		case isDigit(b):
-			return true, false
-		case b == 'e' || b == 'E':
-			return next(jsExp)
-		}
-		return false, true
-	case jsExp:
-		switch {
-		case b == '+' || b == '-':
-			return next(jsExpSign)
-		case isDigit(b):
-			return next(jsExpDigits)
-		}
-	case jsExpSign:
-		if isDigit(b) {
-			return next(jsExpDigits)
-		}
-	case jsExpDigits:
-		if isDigit(b) {
-			return true, false
-		}
-		return false, true
-	}
-	return false, false
+	next, ok, ended := numberStep(c.top.num, b, c.top.integer)
+	c.top.num = next
+	return ok, ended
 }
 
 // enumByte reads byte b in one of the schema's enum texts.
@@ -534,15 +432,4 @@ func (c *config) enumDone() bool {
 		}
 	}
 	return false
-}
-
-// plainText says whether b is string content that changes no state: no
-// quote, backslash or control byte.
-func plainText(b []byte) bool {
-	for _, c := range b {
-		if c == '"' || c == '\\' || c < 0x20 {
-			return false
-		}
-	}
-	return true
 }
