@@ -91,6 +91,18 @@ func (s *chatServer) authorized(w http.ResponseWriter, r *http.Request) bool {
 	return true
 }
 
+// awaitRequests waits, for 10 s at most, until n requests came.
+func (s *chatServer) awaitRequests(n int) {
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		s.mu.Lock()
+		got := len(s.reqs)
+		s.mu.Unlock()
+		if got >= n {
+			return
+		}
+	}
+}
+
 // messages are the conversation of request i, as "role: content" lines.
 func (s *chatServer) messages(i int) string {
 	s.mu.Lock()
@@ -274,28 +286,14 @@ func TestChatInterrupt(t *testing.T) {
 		defer feed.Close()
 		fmt.Fprintln(feed, "tell me everything")
 		// Interrupt once the reply has begun (the server holds it open).
-		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-			s.mu.Lock()
-			n := len(s.reqs)
-			s.mu.Unlock()
-			if n == 1 {
-				break
-			}
-		}
+		s.awaitRequests(1)
 		time.Sleep(50 * time.Millisecond)
 		sigs <- os.Interrupt
 		s.mu.Lock()
 		s.hold = false
 		s.mu.Unlock()
 		fmt.Fprintln(feed, "go on")
-		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-			s.mu.Lock()
-			n := len(s.reqs)
-			s.mu.Unlock()
-			if n == 2 {
-				break
-			}
-		}
+		s.awaitRequests(2)
 		time.Sleep(100 * time.Millisecond)
 	}()
 	out := runREPL(t, s, in, sigs)
