@@ -392,19 +392,7 @@ func (c *chatClient) reply(ctx context.Context, out io.Writer, msgs []chatMessag
 	var completion int
 	var failed error // the node's own error event, as opposed to a broken stream
 	err = sse.Each(resp.Body, func(data []byte) error {
-		var chunk struct {
-			Choices []struct {
-				Delta struct {
-					Content string `json:"content"`
-				} `json:"delta"`
-			} `json:"choices"`
-			Usage *struct {
-				CompletionTokens int `json:"completion_tokens"`
-			} `json:"usage"`
-			Error *struct {
-				Message string `json:"message"`
-			} `json:"error"`
-		}
+		var chunk sse.Chunk
 		if err := json.Unmarshal(data, &chunk); err != nil {
 			return fmt.Errorf("a reply chunk that is not JSON: %w", err)
 		}

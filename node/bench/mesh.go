@@ -1103,20 +1103,6 @@ func runStreams(ctx context.Context, client *http.Client, api, key, model string
 	return res, nil
 }
 
-// streamChunk is what a completion stream's events may hold.
-type streamChunk struct {
-	Choices []struct {
-		Text         string  `json:"text"`
-		FinishReason *string `json:"finish_reason"`
-	} `json:"choices"`
-	Usage *struct {
-		CompletionTokens int `json:"completion_tokens"`
-	} `json:"usage"`
-	Error *struct {
-		Message string `json:"message"`
-	} `json:"error"`
-}
-
 func runStream(ctx context.Context, client *http.Client, url, key string, body []byte) (streamResult, error) {
 	var r streamResult
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
@@ -1141,7 +1127,7 @@ func runStream(ctx context.Context, client *http.Client, url, key string, body [
 	usage := -1
 	err = sse.Each(resp.Body, func(data []byte) error {
 		now := time.Now()
-		var c streamChunk
+		var c sse.Chunk
 		if err := json.Unmarshal(data, &c); err != nil {
 			return fmt.Errorf("bad event %q: %w", data, err)
 		}

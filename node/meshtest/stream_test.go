@@ -72,18 +72,7 @@ func streamComplete(ctx context.Context, n *meshNode, model, prompt string, maxT
 	}
 	var text strings.Builder
 	err = sse.Each(resp.Body, func(data []byte) error {
-		var ev struct {
-			Choices []struct {
-				Text         string  `json:"text"`
-				FinishReason *string `json:"finish_reason"`
-			} `json:"choices"`
-			Usage *struct {
-				CompletionTokens int `json:"completion_tokens"`
-			} `json:"usage"`
-			Error *struct {
-				Message string `json:"message"`
-			} `json:"error"`
-		}
+		var ev sse.Chunk
 		if err := json.Unmarshal(data, &ev); err != nil {
 			return fmt.Errorf("event %q: %w", data, err)
 		}

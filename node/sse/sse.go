@@ -48,3 +48,23 @@ func Each(r io.Reader, fn func(data []byte) error) error {
 	}
 	return ErrNoDone
 }
+
+// Chunk is what one event of an OpenAI stream may hold: per choice, a
+// completion's text or a chat's delta and the finish reason; the usage
+// (with include_usage); or the error that ends a failed stream.
+type Chunk struct {
+	Choices []struct {
+		Index int    `json:"index"`
+		Text  string `json:"text"`
+		Delta struct {
+			Content string `json:"content"`
+		} `json:"delta"`
+		FinishReason *string `json:"finish_reason"`
+	} `json:"choices"`
+	Usage *struct {
+		CompletionTokens int `json:"completion_tokens"`
+	} `json:"usage"`
+	Error *struct {
+		Message string `json:"message"`
+	} `json:"error"`
+}
