@@ -78,6 +78,10 @@ type mesh struct {
 	route  []pipeline.Hop
 	pipe   scheduler.Pipeline // what requests run on now; nil until ready
 	remote *pipeline.Pipeline // pipe, when it spans other nodes
+	// ran is the model a pipeline last ran, so that a missing one is told
+	// apart: a replan of a model that ran (its stages moving) rather than
+	// a model not yet served.
+	ran    *meshModel
 	events []MeshEvent
 	meta   membership.Meta
 	// draining is set when the node is leaving on purpose.
@@ -1251,6 +1255,9 @@ func (m *mesh) setPipe(route []pipeline.Hop, p scheduler.Pipeline, remote *pipel
 	m.mu.Lock()
 	old := m.remote
 	m.route, m.pipe, m.remote = route, p, remote
+	if p != nil {
+		m.ran = m.model
+	}
 	m.mu.Unlock()
 	if old != nil && old != remote {
 		old.Close()
@@ -1341,6 +1348,17 @@ func (m *mesh) current() scheduler.Pipeline {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.pipe
+}
+
+// replanning says whether the model's pipeline is only being rebuilt: it
+// ran before, and a placement stands whose stages are (re)loading. A
+// request can wait for it (the scheduler waits out a replan, within its
+// recovery bound); one for a model that never ran, or that no placement
+// fits, is refused at once.
+func (m *mesh) replanning() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.pipe == nil && m.ran != nil && m.ran == m.model && m.planErr == nil && len(m.plan.Stages) > 0
 }
 
 // stageMux is the StageService a node registers once; the stage behind it

@@ -465,6 +465,19 @@ func (s *Model) health() error {
 	return nil
 }
 
+// admit says whether a request may queue. It may while the mesh is
+// healthy, and also while it is only rebuilding the pipeline after a
+// replan (a node left or came back): /health says 503 then, but the
+// request waits for the new pipeline instead of failing, as the requests
+// already running do.
+func (s *Model) admit() error {
+	err := s.health()
+	if errors.Is(err, errNoPipeline) && s.mesh.replanning() {
+		return nil
+	}
+	return err
+}
+
 var errDraining = errors.New("this node is leaving the mesh")
 
 // drain leaves gracefully: no new requests, the mesh moves this node's

@@ -52,7 +52,7 @@ func (m *Model) Prompt(s string) ([]int32, error) { return m.tok.Encode(s, true)
 // Generate submits to the scheduler and relays its events.
 func (m *Model) Generate(ctx context.Context, req openai.GenerateRequest) (<-chan openai.Event, error) {
 	obs := m.mesh.obs
-	if err := m.health(); err != nil {
+	if err := m.admit(); err != nil {
 		obs.metrics.Rejected("unavailable")
 		return nil, fmt.Errorf("%w: %w", openai.ErrUnavailable, err)
 	}
