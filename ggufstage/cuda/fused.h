@@ -1,0 +1,65 @@
+// meshnode's fused CUDA decode path: one token of one sequence through a
+// stage's llama layers as one CUDA graph of a few kernels per layer, reading
+// the weights and the KV cache that ggml's CUDA backend already holds.
+//
+// ggml launches about fifteen kernels per layer and rebuilds its CUDA graph
+// every token (the KV position changes); its 4-bit mat-vec reads weights 2
+// bytes at a time. Here every per-token value lives in device memory, so the
+// same graph replays each token, and the mat-vec kernels stream whole rows
+// into shared memory 16 bytes at a time (cp.async), several tiles ahead.
+#ifndef MESHNODE_FUSED_H
+#define MESHNODE_FUSED_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Tensor types, as ggml numbers them.
+enum { MF_F32 = 0, MF_F16 = 1, MF_Q4_0 = 2, MF_Q6_K = 14 };
+
+// One layer's device pointers: f32 norms, Q4_0 matrices, and the layer's f16
+// KV cache as ggml lays it out ([head_dim, n_kv_head, cells], V not permuted).
+typedef struct {
+	const void *attn_norm, *wq, *wk, *wv, *wo;
+	const void *ffn_norm, *gate, *up, *down;
+	void *k, *v;
+} mf_layer;
+
+typedef struct {
+	int n_layer, embd, n_head, n_kv_head, head_dim, ffn, vocab, cells;
+	float eps, rope_base, rope_freq_scale;
+	int embd_type;        // type of tok_embd
+	const void *tok_embd; // NULL unless the stage holds the first layer
+	int out_type;         // type of output
+	const void *out_norm, *output; // NULL unless the stage holds the last layer
+	const mf_layer *layers;        // n_layer of them
+	int device;
+} mf_config;
+
+typedef struct mf_engine mf_engine;
+
+// mf_supported says whether the path can run this shape and these types:
+// 0, or a message in err.
+int mf_supported(const mf_config *c, char *err, int errlen);
+
+// mf_create checks the device and the config, and allocates the engine's
+// buffers. 0, or a message in err.
+int mf_create(const mf_config *c, mf_engine **e, char *err, int errlen);
+
+// mf_step runs one token at position pos through the stage: token on the
+// first stage, else hidden (embd floats). Its K and V go to cache cell loc;
+// it attends to cells[0..n) (the sequence's earlier positions, loc not among
+// them) and to itself. out receives vocab logits on the last stage, else
+// embd hidden floats. 0, or a message in err.
+int mf_step(mf_engine *e, int token, const float *hidden, int pos, int loc,
+            const int32_t *cells, int n, float *out, char *err, int errlen);
+
+void mf_destroy(mf_engine *e);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

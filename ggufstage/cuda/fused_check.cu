@@ -1,0 +1,486 @@
+// Checks and times the fused decode path on random weights, without ggml:
+//
+//   fused_check check   one decode step of two small models (head sizes 128
+//                       and 64) against a float64 reference on the host that
+//                       quantizes activations as the kernels do; a split
+//                       into two stages must give the same bits.
+//   fused_check bench   an 8B-class llama (Q4_0, Q6_K head): copy bandwidth,
+//                       each mat-vec's bandwidth, and whole decode steps
+//                       against the floor of model bytes ÷ copy bandwidth.
+//
+// Built and run by deploy/gpu/build-cuda.sh --check (on the GPU machine).
+#include "fused.h"
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+extern "C" void mf_profile(mf_engine *e);
+
+#define CHECK(call)                                                                                                \
+	do {                                                                                                           \
+		cudaError_t e_ = (call);                                                                                   \
+		if (e_ != cudaSuccess) {                                                                                   \
+			fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                   \
+			exit(1);                                                                                               \
+		}                                                                                                          \
+	} while (0)
+
+static size_t rowBytesOf(int type, int k) {
+	switch (type) {
+	case MF_Q4_0: return (size_t)k / 32 * 18;
+	case MF_Q6_K: return (size_t)k / 256 * 210;
+	case MF_F16: return (size_t)k * 2;
+	}
+	return (size_t)k * 4;
+}
+
+static std::mt19937_64 rng(42);
+
+static uint16_t toHalf(float f) {
+	__half h = __float2half(f);
+	return *reinterpret_cast<uint16_t *>(&h);
+}
+static float fromHalf(uint16_t u) {
+	__half h = *reinterpret_cast<__half *>(&u);
+	return __half2float(h);
+}
+
+// Random quantized rows: scales of about scale, random nibbles / 6-bit values.
+static std::vector<uint8_t> randomMatrix(int type, int rows, int k, float scale) {
+	std::vector<uint8_t> m(rowBytesOf(type, k) * rows);
+	std::uniform_int_distribution<int> byte(0, 255);
+	std::uniform_real_distribution<float> u(0.5f, 1.5f);
+	for (auto &b : m) b = (uint8_t)byte(rng);
+	if (type == MF_Q4_0) {
+		for (size_t off = 0; off < m.size(); off += 18) {
+			uint16_t d = toHalf(scale * u(rng) / 8.f);
+			memcpy(&m[off], &d, 2);
+		}
+	} else if (type == MF_Q6_K) {
+		std::uniform_int_distribution<int> sc(-60, 60);
+		for (size_t off = 0; off < m.size(); off += 210) {
+			for (int i = 0; i < 16; i++) m[off + 192 + i] = (uint8_t)(int8_t)sc(rng);
+			uint16_t d = toHalf(scale * u(rng) / 32.f / 40.f);
+			memcpy(&m[off + 208], &d, 2);
+		}
+	}
+	return m;
+}
+
+static void dequantRow(int type, const uint8_t *row, int k, std::vector<double> &out) {
+	out.assign(k, 0);
+	for (int i = 0; i < k; i++) {
+		if (type == MF_Q4_0) {
+			const uint8_t *b = row + (i / 32) * 18;
+			int j = i % 32;
+			uint16_t d;
+			memcpy(&d, b, 2);
+			int nib = j < 16 ? (b[2 + j] & 15) : (b[2 + j - 16] >> 4);
+			out[i] = (double)fromHalf(d) * (nib - 8);
+		} else {
+			const uint8_t *b = row + (i / 256) * 210;
+			int r = i % 256, hf = r / 128, w = r % 128, mm = w / 32, ll = w % 32;
+			uint8_t qlb = b[64 * hf + ll + (mm & 1) * 32];
+			int lo = mm >= 2 ? qlb >> 4 : qlb & 15;
+			int hi = (b[128 + 32 * hf + ll] >> (2 * mm)) & 3;
+			int8_t sc = (int8_t)b[192 + 8 * hf + ll / 16 + 2 * mm];
+			uint16_t d;
+			memcpy(&d, b + 208, 2);
+			out[i] = (double)fromHalf(d) * sc * ((lo | (hi << 4)) - 32);
+		}
+	}
+}
+
+// The activations as the kernels see them: int8 blocks of 32 with a scale.
+static std::vector<double> quantized(const std::vector<double> &x) {
+	std::vector<double> q(x.size());
+	for (size_t g = 0; g < x.size(); g += 32) {
+		float amax = 0;
+		for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs((float)x[g + i]));
+		float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+		for (int i = 0; i < 32; i++) q[g + i] = (double)d * (double)std::nearbyint((float)x[g + i] * id);
+	}
+	return q;
+}
+
+static std::vector<double> matvec(int type, const std::vector<uint8_t> &w, int rows, int k, const std::vector<double> &x) {
+	std::vector<double> y(rows), r;
+	for (int i = 0; i < rows; i++) {
+		dequantRow(type, &w[rowBytesOf(type, k) * i], k, r);
+		double s = 0;
+		for (int j = 0; j < k; j++) s += r[j] * x[j];
+		y[i] = s;
+	}
+	return y;
+}
+
+static std::vector<double> rmsnorm(const std::vector<double> &x, const std::vector<float> &g, float eps) {
+	float ss = 0;
+	for (double v : x) ss += (float)v * (float)v;
+	double sc = 1.0 / std::sqrt((double)ss / x.size() + eps);
+	std::vector<double> y(x.size());
+	for (size_t i = 0; i < x.size(); i++) y[i] = (double)(float)(x[i] * sc) * g[i];
+	return y;
+}
+
+struct HostLayer {
+	std::vector<float> attnNorm, ffnNorm;
+	std::vector<uint8_t> wq, wk, wv, wo, gate, up, down;
+	std::vector<uint16_t> k, v; // cache
+};
+
+struct Model {
+	int nLayer, embd, nHead, nKV, hd, ffn, vocab, cells;
+	float eps = 1e-5f, base = 500000.f, freqScale = 1.f;
+	std::vector<uint8_t> tokEmbd, output;
+	std::vector<float> outNorm;
+	std::vector<HostLayer> L;
+};
+
+static std::vector<float> randomVec(int n, float lo, float hi) {
+	std::uniform_real_distribution<float> u(lo, hi);
+	std::vector<float> v(n);
+	for (auto &x : v) x = u(rng);
+	return v;
+}
+
+static Model makeModel(int nLayer, int embd, int nHead, int nKV, int hd, int ffn, int vocab, int cells) {
+	Model m{nLayer, embd, nHead, nKV, hd, ffn, vocab, cells};
+	const int qd = nHead * hd, kvd = nKV * hd;
+	m.tokEmbd = randomMatrix(MF_Q4_0, vocab, embd, 1.0f);
+	m.output = randomMatrix(MF_Q6_K, vocab, embd, 1.0f / std::sqrt((float)embd));
+	m.outNorm = randomVec(embd, 0.8f, 1.2f);
+	for (int i = 0; i < nLayer; i++) {
+		HostLayer l;
+		l.attnNorm = randomVec(embd, 0.8f, 1.2f);
+		l.ffnNorm = randomVec(embd, 0.8f, 1.2f);
+		const float s = 1.0f / std::sqrt((float)embd);
+		l.wq = randomMatrix(MF_Q4_0, qd, embd, s);
+		l.wk = randomMatrix(MF_Q4_0, kvd, embd, s);
+		l.wv = randomMatrix(MF_Q4_0, kvd, embd, s);
+		l.wo = randomMatrix(MF_Q4_0, embd, qd, 0.5f / std::sqrt((float)qd));
+		l.gate = randomMatrix(MF_Q4_0, ffn, embd, s);
+		l.up = randomMatrix(MF_Q4_0, ffn, embd, s);
+		l.down = randomMatrix(MF_Q4_0, embd, ffn, 0.5f / std::sqrt((float)ffn));
+		std::normal_distribution<float> nd(0.f, 1.f);
+		l.k.resize((size_t)cells * kvd), l.v.resize((size_t)cells * kvd);
+		for (auto &x : l.k) x = toHalf(nd(rng));
+		for (auto &x : l.v) x = toHalf(nd(rng));
+		m.L.push_back(std::move(l));
+	}
+	return m;
+}
+
+// One decode step on the host, layers [a,b). x is the residual stream in and out.
+static void reference(Model &m, int a, int b, std::vector<double> &x, int pos, int loc, const std::vector<int> &cells) {
+	const int qd = m.nHead * m.hd, kvd = m.nKV * m.hd;
+	for (int i = a; i < b; i++) {
+		HostLayer &l = m.L[i];
+		auto xn = quantized(rmsnorm(x, l.attnNorm, m.eps));
+		auto q = matvec(MF_Q4_0, l.wq, qd, m.embd, xn), k = matvec(MF_Q4_0, l.wk, kvd, m.embd, xn),
+		     v = matvec(MF_Q4_0, l.wv, kvd, m.embd, xn);
+		auto rope = [&](std::vector<double> &t, int heads) {
+			for (int h = 0; h < heads; h++)
+				for (int j = 0; j < m.hd / 2; j++) {
+					double th = pos * m.freqScale * std::pow((double)m.base, -2.0 * j / m.hd);
+					double x0 = t[h * m.hd + 2 * j], x1 = t[h * m.hd + 2 * j + 1];
+					t[h * m.hd + 2 * j] = x0 * std::cos(th) - x1 * std::sin(th);
+					t[h * m.hd + 2 * j + 1] = x0 * std::sin(th) + x1 * std::cos(th);
+				}
+		};
+		rope(q, m.nHead), rope(k, m.nKV);
+		for (int j = 0; j < kvd; j++) {
+			l.k[(size_t)loc * kvd + j] = toHalf((float)k[j]);
+			l.v[(size_t)loc * kvd + j] = toHalf((float)v[j]);
+		}
+		std::vector<int> all = cells;
+		all.push_back(loc);
+		std::vector<double> att(qd);
+		for (int h = 0; h < m.nHead; h++) {
+			const int g = h / (m.nHead / m.nKV);
+			std::vector<double> sc(all.size());
+			double mx = -1e300;
+			for (size_t j = 0; j < all.size(); j++) {
+				double s = 0;
+				for (int d = 0; d < m.hd; d++) s += q[h * m.hd + d] * fromHalf(l.k[((size_t)all[j] * m.nKV + g) * m.hd + d]);
+				sc[j] = s / std::sqrt((double)m.hd);
+				mx = std::max(mx, sc[j]);
+			}
+			double z = 0;
+			for (auto &s : sc) z += (s = std::exp(s - mx));
+			for (int d = 0; d < m.hd; d++) {
+				double o = 0;
+				for (size_t j = 0; j < all.size(); j++) o += sc[j] * fromHalf(l.v[((size_t)all[j] * m.nKV + g) * m.hd + d]);
+				att[h * m.hd + d] = o / z;
+			}
+		}
+		auto o = matvec(MF_Q4_0, l.wo, m.embd, qd, quantized(att));
+		for (int j = 0; j < m.embd; j++) x[j] = (float)(x[j] + o[j]);
+		auto xn2 = quantized(rmsnorm(x, l.ffnNorm, m.eps));
+		auto gt = matvec(MF_Q4_0, l.gate, m.ffn, m.embd, xn2), up = matvec(MF_Q4_0, l.up, m.ffn, m.embd, xn2);
+		std::vector<double> act(m.ffn);
+		for (int j = 0; j < m.ffn; j++) act[j] = gt[j] / (1 + std::exp(-gt[j])) * up[j];
+		auto dn = matvec(MF_Q4_0, l.down, m.embd, m.ffn, quantized(act));
+		for (int j = 0; j < m.embd; j++) x[j] = (float)(x[j] + dn[j]);
+	}
+}
+
+template <typename T> static T *upload(const std::vector<T> &v) {
+	T *d;
+	CHECK(cudaMalloc(&d, sizeof(T) * v.size()));
+	CHECK(cudaMemcpy(d, v.data(), sizeof(T) * v.size(), cudaMemcpyHostToDevice));
+	return d;
+}
+
+struct DeviceModel {
+	std::vector<mf_layer> layers;
+	void *tokEmbd, *output, *outNorm;
+};
+
+static DeviceModel uploadModel(const Model &m) {
+	DeviceModel d;
+	d.tokEmbd = upload(m.tokEmbd), d.output = upload(m.output), d.outNorm = upload(m.outNorm);
+	for (auto &l : m.L) {
+		mf_layer x{};
+		x.attn_norm = upload(l.attnNorm), x.ffn_norm = upload(l.ffnNorm);
+		x.wq = upload(l.wq), x.wk = upload(l.wk), x.wv = upload(l.wv), x.wo = upload(l.wo);
+		x.gate = upload(l.gate), x.up = upload(l.up), x.down = upload(l.down);
+		x.k = upload(l.k), x.v = upload(l.v);
+		d.layers.push_back(x);
+	}
+	return d;
+}
+
+static mf_config configOf(const Model &m, const DeviceModel &d, int a, int b) {
+	mf_config c{};
+	c.n_layer = b - a, c.embd = m.embd, c.n_head = m.nHead, c.n_kv_head = m.nKV, c.head_dim = m.hd;
+	c.ffn = m.ffn, c.vocab = m.vocab, c.cells = m.cells, c.eps = m.eps, c.rope_base = m.base;
+	c.rope_freq_scale = m.freqScale;
+	c.layers = d.layers.data() + a;
+	if (a == 0) c.embd_type = MF_Q4_0, c.tok_embd = d.tokEmbd;
+	if (b == m.nLayer) c.out_type = MF_Q6_K, c.output = d.output, c.out_norm = d.outNorm;
+	return c;
+}
+
+static mf_engine *create(const mf_config &c) {
+	char err[512];
+	mf_engine *e;
+	if (mf_create(&c, &e, err, sizeof err)) {
+		fprintf(stderr, "mf_create: %s\n", err);
+		exit(1);
+	}
+	return e;
+}
+
+static void step(mf_engine *e, int tok, const float *hidden, int pos, int loc, const std::vector<int> &cells, float *out) {
+	char err[512];
+	if (mf_step(e, tok, hidden, pos, loc, cells.data(), (int)cells.size(), out, err, sizeof err)) {
+		fprintf(stderr, "mf_step: %s\n", err);
+		exit(1);
+	}
+}
+
+static int check(int nHead, int nKV, int hd) {
+	const int embd = 2048, ffn = 5632, vocab = 3000, cells = 256, nLayer = 2;
+	Model m = makeModel(nLayer, embd, nHead, nKV, hd, ffn, vocab, cells);
+	DeviceModel d = uploadModel(m);
+	std::vector<int> perm(cells);
+	for (int i = 0; i < cells; i++) perm[i] = i;
+	std::shuffle(perm.begin(), perm.end(), rng);
+	const int n = 100, pos = 100, loc = perm[n], tok = 1234;
+	std::vector<int> used(perm.begin(), perm.begin() + n);
+
+	mf_engine *whole = create(configOf(m, d, 0, nLayer));
+	std::vector<float> logits(vocab), split(vocab), hidden(embd);
+	// The step writes the new K/V into the device cache; run the split
+	// second, on the same cache cell, which it rewrites with the same values.
+	step(whole, tok, nullptr, pos, loc, used, logits.data());
+	mf_engine *a = create(configOf(m, d, 0, 1)), *b = create(configOf(m, d, 1, nLayer));
+	step(a, tok, nullptr, pos, loc, used, hidden.data());
+	step(b, 0, hidden.data(), pos, loc, used, split.data());
+
+	std::vector<double> x;
+	dequantRow(MF_Q4_0, &m.tokEmbd[rowBytesOf(MF_Q4_0, embd) * tok], embd, x);
+	for (auto &v : x) v = (float)v;
+	reference(m, 0, nLayer, x, pos, loc, used);
+	auto ref = matvec(MF_Q6_K, m.output, vocab, embd, quantized(rmsnorm(x, m.outNorm, m.eps)));
+
+	double num = 0, den = 0, worst = 0;
+	int argRef = 0, argGot = 0, bitsDiffer = 0, nan = 0;
+	for (int i = 0; i < vocab; i++) {
+		if (!std::isfinite(logits[i])) nan++;
+		num += (logits[i] - ref[i]) * (logits[i] - ref[i]), den += ref[i] * ref[i];
+		worst = std::max(worst, std::fabs(logits[i] - ref[i]));
+		if (ref[i] > ref[argRef]) argRef = i;
+		if (logits[i] > logits[argGot]) argGot = i;
+		if (memcmp(&logits[i], &split[i], 4)) bitsDiffer++;
+	}
+	// The cache cell the step wrote, against the reference's values.
+	double cacheErr = 0;
+	const int kvd = nKV * hd;
+	for (int l = 0; l < nLayer; l++) {
+		std::vector<uint16_t> kc(kvd), vc(kvd);
+		CHECK(cudaMemcpy(kc.data(), (uint16_t *)d.layers[l].k + (size_t)loc * kvd, 2 * kvd, cudaMemcpyDeviceToHost));
+		CHECK(cudaMemcpy(vc.data(), (uint16_t *)d.layers[l].v + (size_t)loc * kvd, 2 * kvd, cudaMemcpyDeviceToHost));
+		for (int j = 0; j < kvd; j++) {
+			cacheErr = std::max(cacheErr, (double)std::fabs(fromHalf(kc[j]) - fromHalf(m.L[l].k[(size_t)loc * kvd + j])));
+			cacheErr = std::max(cacheErr, (double)std::fabs(fromHalf(vc[j]) - fromHalf(m.L[l].v[(size_t)loc * kvd + j])));
+		}
+	}
+	const double rel = std::sqrt(num / den);
+	const bool ok = nan == 0 && rel < 2e-3 && argRef == argGot && bitsDiffer == 0 && cacheErr < 2e-2;
+	printf("check heads %d/%d of %d: logits rel err %.2e (max abs %.2e), argmax %d vs %d, split differs in %d, cache err %.1e, nonfinite %d: %s\n",
+	       nHead, nKV, hd, rel, worst, argGot, argRef, bitsDiffer, cacheErr, nan, ok ? "ok" : "FAIL");
+	mf_destroy(whole), mf_destroy(a), mf_destroy(b);
+	return ok ? 0 : 1;
+}
+
+// Fills device memory with random quantized blocks: no host round trip for
+// gigabytes of weights.
+__global__ void fillRandom(uint8_t *p, size_t n, int type, uint64_t seed, float scale) {
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+		uint64_t z = (i + seed) * 0x9E3779B97F4A7C15ull;
+		z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+		z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+		z ^= z >> 31;
+		uint8_t b = (uint8_t)z;
+		if (type == MF_Q4_0) {
+			size_t o = i % 18;
+			if (o < 2) {
+				__half d = __float2half(scale * (0.5f + (float)((z >> 8) & 1023) / 1024.f) / 8.f);
+				b = reinterpret_cast<uint8_t *>(&d)[o];
+			}
+		} else if (type == MF_Q6_K) {
+			size_t o = i % 210;
+			if (o >= 208) {
+				__half d = __float2half(scale / 1280.f);
+				b = reinterpret_cast<uint8_t *>(&d)[o - 208];
+			} else if (o >= 192) {
+				b = (uint8_t)(int8_t)((int)((z >> 8) % 121) - 60);
+			}
+		} else if (type == MF_F32) {
+			// norms near one
+			size_t o = i % 4;
+			float f = 1.f;
+			b = reinterpret_cast<uint8_t *>(&f)[o];
+		} else if (type == MF_F16) {
+			__half h = __float2half(((float)((z >> 8) & 2047) / 1024.f - 1.f));
+			b = reinterpret_cast<uint8_t *>(&h)[i % 2];
+		}
+		p[i] = b;
+	}
+}
+
+static void *randomDevice(int type, size_t bytes, float scale, uint64_t &seed, double *total) {
+	void *p;
+	CHECK(cudaMalloc(&p, bytes));
+	fillRandom<<<1024, 256>>>((uint8_t *)p, bytes, type, seed, scale);
+	CHECK(cudaGetLastError());
+	seed += bytes;
+	if (total) *total += (double)bytes;
+	return p;
+}
+
+static int bench() {
+	const int nLayer = 32, embd = 4096, nHead = 32, nKV = 8, hd = 128, ffn = 14336, vocab = 128256, cells = 4096;
+	const int qd = nHead * hd, kvd = nKV * hd;
+	uint64_t seed = 1;
+	double bytes = 0;
+	std::vector<mf_layer> layers(nLayer);
+	for (auto &l : layers) {
+		const float s = 1.f / std::sqrt((float)embd);
+		l.attn_norm = randomDevice(MF_F32, 4 * embd, 1, seed, &bytes);
+		l.ffn_norm = randomDevice(MF_F32, 4 * embd, 1, seed, &bytes);
+		l.wq = randomDevice(MF_Q4_0, rowBytesOf(MF_Q4_0, embd) * qd, s, seed, &bytes);
+		l.wk = randomDevice(MF_Q4_0, rowBytesOf(MF_Q4_0, embd) * kvd, s, seed, &bytes);
+		l.wv = randomDevice(MF_Q4_0, rowBytesOf(MF_Q4_0, embd) * kvd, s, seed, &bytes);
+		l.wo = randomDevice(MF_Q4_0, rowBytesOf(MF_Q4_0, qd) * embd, s, seed, &bytes);
+		l.gate = randomDevice(MF_Q4_0, rowBytesOf(MF_Q4_0, embd) * ffn, s, seed, &bytes);
+		l.up = randomDevice(MF_Q4_0, rowBytesOf(MF_Q4_0, embd) * ffn, s, seed, &bytes);
+		l.down = randomDevice(MF_Q4_0, rowBytesOf(MF_Q4_0, ffn) * embd, 1.f / std::sqrt((float)ffn), seed, &bytes);
+		l.k = randomDevice(MF_F16, (size_t)2 * cells * kvd, 1, seed, nullptr);
+		l.v = randomDevice(MF_F16, (size_t)2 * cells * kvd, 1, seed, nullptr);
+	}
+	double embdBytes = 0;
+	void *tok = randomDevice(MF_Q4_0, rowBytesOf(MF_Q4_0, embd) * vocab, 1, seed, &embdBytes);
+	void *outNorm = randomDevice(MF_F32, 4 * embd, 1, seed, &bytes);
+	void *output = randomDevice(MF_Q6_K, rowBytesOf(MF_Q6_K, embd) * vocab, 1.f / std::sqrt((float)embd), seed, &bytes);
+	CHECK(cudaDeviceSynchronize());
+
+	// Copy bandwidth: bytes read plus bytes written.
+	const size_t cb = (size_t)2 << 30;
+	void *s1, *s2;
+	CHECK(cudaMalloc(&s1, cb));
+	CHECK(cudaMalloc(&s2, cb));
+	CHECK(cudaMemset(s1, 1, cb));
+	cudaEvent_t e0, e1;
+	CHECK(cudaEventCreate(&e0));
+	CHECK(cudaEventCreate(&e1));
+	std::vector<float> ms;
+	for (int i = 0; i < 12; i++) {
+		CHECK(cudaEventRecord(e0));
+		CHECK(cudaMemcpy(s2, s1, cb, cudaMemcpyDeviceToDevice));
+		CHECK(cudaEventRecord(e1));
+		CHECK(cudaEventSynchronize(e1));
+		float t;
+		CHECK(cudaEventElapsedTime(&t, e0, e1));
+		if (i >= 2) ms.push_back(t);
+	}
+	std::sort(ms.begin(), ms.end());
+	const double bw = 2.0 * cb / (ms[ms.size() / 2] * 1e-3);
+	CHECK(cudaFree(s1));
+	CHECK(cudaFree(s2));
+
+	mf_config c{};
+	c.n_layer = nLayer, c.embd = embd, c.n_head = nHead, c.n_kv_head = nKV, c.head_dim = hd, c.ffn = ffn;
+	c.vocab = vocab, c.cells = cells, c.eps = 1e-5f, c.rope_base = 500000, c.rope_freq_scale = 1;
+	c.embd_type = MF_Q4_0, c.tok_embd = tok, c.out_type = MF_Q6_K, c.out_norm = outNorm, c.output = output;
+	c.layers = layers.data();
+	mf_engine *e = create(c);
+	std::vector<float> logits(vocab);
+	const double fileBytes = bytes + embdBytes;
+	printf("bench 8B-class: %.3f GB read per token (file %.3f GB), copy bandwidth %.0f GB/s\n", bytes / 1e9,
+	       fileBytes / 1e9, bw / 1e9);
+	for (int n : {64, 2048, 576}) {
+		std::vector<int> used(n);
+		for (int i = 0; i < n; i++) used[i] = i;
+		const int loc = n;
+		for (int i = 0; i < 10; i++) step(e, i, nullptr, n, loc, used, logits.data());
+		std::vector<double> t;
+		for (int i = 0; i < 100; i++) {
+			auto s = std::chrono::steady_clock::now();
+			step(e, (i * 7919) % vocab, nullptr, n, loc, used, logits.data());
+			t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count());
+		}
+		std::sort(t.begin(), t.end());
+		const double med = t[t.size() / 2];
+		bool finite = true;
+		for (float v : logits) finite = finite && std::isfinite(v);
+		printf("  context %4d: step %.3f ms median (min %.3f), %.1f tok/s; %.2f of the file floor (%.1f tok/s), %.2f of the read floor; %.0f GB/s; logits %s\n",
+		       n, med * 1e3, t[0] * 1e3, 1 / med, (fileBytes / bw) / med, bw / fileBytes, (bytes / bw) / med,
+		       bytes / med / 1e9, finite ? "finite" : "NOT FINITE");
+	}
+	mf_profile(e);
+	mf_destroy(e);
+	return 0;
+}
+
+int main(int argc, char **argv) {
+	const char *what = argc > 1 ? argv[1] : "check";
+	int bad = 0;
+	if (!strcmp(what, "check") || !strcmp(what, "all")) {
+		bad |= check(16, 4, 128);
+		bad |= check(32, 8, 64);
+	}
+	if (!strcmp(what, "bench") || !strcmp(what, "all")) bad |= bench();
+	return bad;
+}
