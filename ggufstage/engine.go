@@ -36,6 +36,7 @@ type Options struct {
 	FlashAttention Switch      // ggml's fused attention kernel; Auto: on GPUs (see Auto)
 	BuildAhead     Switch      // build the next decode pass while one computes (see pass); Auto: on GPUs
 	DecodeGraphs   Switch      // a scheduler per pipeline lane, and CUDA graphs for decode passes of several rows (see lane); Auto: off
+	FusedDecode    Switch      // meshnode's own CUDA kernels for one-row decode passes (see fused.go); Auto: on where they can run, On: Open fails where they cannot
 	KVType         ml.DType    // 0 = f16
 	WireDType      stage.DType // 0 = f16
 	NoRepack       bool        // keep quantized weights in ggml's plain layout
@@ -127,6 +128,18 @@ type Engine struct {
 	// NewActivation; logits go to the caller and come back by Release.
 	hidden []float32
 	logits floatPool
+	// fused runs one-row decode passes on CUDA (see fused.go); fusedWhy
+	// says why it does not, when it was wanted.
+	fused    fusedPath
+	fusedWhy string
+}
+
+// Fused reports whether the stage decodes one row at a time through
+// meshnode's fused CUDA kernels, and if not, why, where it was wanted.
+func (e *Engine) Fused() (on bool, why string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.fused != nil, e.fusedWhy
 }
 
 // Phases is where an engine's forward passes spent their time, summed
@@ -312,6 +325,21 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 	if s := schedOf(e.backend); directSched && s != nil {
 		e.lanes = []*lane{{sched: s}}
 		e.decodeGraphs = opts.DecodeGraphs.on(false)
+	}
+	switch {
+	case gpu != nil && strings.EqualFold(gpu.Library, "CUDA") && opts.FusedDecode.on(true):
+		f, err := newFused(e, meta, start, end, layers, flash, opts.KVType)
+		switch {
+		case err == nil:
+			// One-row decode passes build no ggml graph to build ahead.
+			e.fused, e.buildsAhead = f, false
+		case opts.FusedDecode == On:
+			return nil, fmt.Errorf("loading %s: %w", path, err)
+		default:
+			e.fusedWhy = err.Error()
+		}
+	case opts.FusedDecode == On:
+		return nil, fmt.Errorf("loading %s: %w: it runs on CUDA devices only", path, errFusedUnavailable)
 	}
 	e.slots = make(map[stage.SeqID]int)
 	for i := opts.MaxSeqs - 1; i >= 0; i-- {
@@ -547,6 +575,12 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 		slots[r] = slot
 	}
 
+	if e.fused != nil && b.Rows() == 1 && (!e.info.Last() || len(b.Outputs) == 1) {
+		if out, ok, err := e.fused.step(b, slots[0], hidden); ok {
+			return out, err
+		}
+	}
+
 	start := time.Now()
 	var t passTimes
 	p := e.takeAhead(b, slots)
@@ -614,6 +648,10 @@ func (e *Engine) close() (err error) {
 		l.clone.free()
 	}
 	e.lanes = nil
+	if e.fused != nil {
+		e.fused.close()
+		e.fused = nil
+	}
 	if e.cache != nil {
 		e.cache.Close()
 	}

@@ -1,0 +1,219 @@
+package ggufstage
+
+// The fused CUDA decode path (cuda/fused.h): a stage on an NVIDIA GPU whose
+// llama layers are Q4_0 runs one-row decode passes through meshnode's own
+// kernels, as one CUDA graph replayed every token, instead of a ggml graph
+// built and captured anew each token. It reads the weights ggml loaded and
+// writes the same KV cache cells ollama's cache hands out, so ggml passes
+// (prefill, several rows) and fused ones mix freely on one cache.
+
+import (
+	"errors"
+	"fmt"
+	"reflect"
+	"slices"
+	"unsafe"
+
+	fsggml "github.com/ollama/ollama/fs/ggml"
+	"github.com/ollama/ollama/kvcache"
+	"github.com/ollama/ollama/ml"
+
+	"github.com/meshnode/meshnode/ggufstage/gguf"
+	"github.com/meshnode/meshnode/stage"
+)
+
+// fusedPath runs one-row decode passes. step reports ok false, with no
+// change made, when it cannot take this pass (the cache has not been
+// written through ggml yet); the caller then runs it through ggml.
+type fusedPath interface {
+	step(b *stage.Batch, slot int, hidden []float32) (out *stage.Output, ok bool, err error)
+	close()
+}
+
+// errFusedUnavailable wraps every reason the fused path cannot run a stage.
+var errFusedUnavailable = errors.New("fused CUDA decode path unavailable")
+
+// fusedShape is what the fused path needs to know of a stage's model,
+// read from the GGUF header.
+type fusedShape struct {
+	embd, heads, kvHeads, headDim, ffn int
+	eps, ropeBase, ropeScale           float32
+	embdType, outType                  uint32
+}
+
+// fusedEligible says why the fused path cannot run layers [start,end) of
+// meta on this stage, or returns the shape it needs.
+func fusedEligible(meta *gguf.File, start, end, layers int, flash bool, kv ml.DType) (fusedShape, error) {
+	var s fusedShape
+	fail := func(format string, args ...any) (fusedShape, error) {
+		return s, fmt.Errorf("%w: %s", errFusedUnavailable, fmt.Sprintf(format, args...))
+	}
+	if meta.Arch() != "llama" {
+		return fail("architecture %s (llama only)", meta.Arch())
+	}
+	if !flash {
+		return fail("flash attention is off (the path reads ggml's unpermuted V cache)")
+	}
+	if kv != ml.DTypeF16 {
+		return fail("KV cache type %v (f16 only)", kv)
+	}
+	u := func(key string) int {
+		v, _ := meta.ArchUint(key)
+		return int(v)
+	}
+	s.embd, s.heads, s.kvHeads, s.ffn = u("embedding_length"), u("attention.head_count"), u("attention.head_count_kv"), u("feed_forward_length")
+	if s.kvHeads == 0 {
+		s.kvHeads = s.heads
+	}
+	if s.heads == 0 {
+		return fail("no head count")
+	}
+	s.headDim = s.embd / s.heads
+	if k := u("attention.key_length"); k != 0 && k != s.headDim {
+		return fail("head size %d is not embedding/heads", k)
+	}
+	if r := u("rope.dimension_count"); r != 0 && r != s.headDim {
+		return fail("rope over %d of %d dimensions", r, s.headDim)
+	}
+	f := func(key string, def float32) float32 {
+		if v, ok := meta.Get(meta.Arch() + "." + key); ok {
+			if x, ok := v.V.(float32); ok {
+				return x
+			}
+		}
+		return def
+	}
+	s.eps = f("attention.layer_norm_rms_epsilon", 1e-5)
+	s.ropeBase = f("rope.freq_base", defaultRopeBase)
+	s.ropeScale = f("rope.scaling.factor", 1)
+	if _, ok := meta.Tensor("rope_freqs.weight"); ok {
+		return fail("rope frequency factors")
+	}
+	typ := func(name string) (uint32, bool) {
+		t, ok := meta.Tensor(name)
+		if !ok {
+			return 0, false
+		}
+		return t.Type, true
+	}
+	for i := start; i < end; i++ {
+		for _, n := range []string{"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"} {
+			name := fmt.Sprintf("blk.%d.%s.weight", i, n)
+			if t, ok := typ(name); !ok || t != uint32(fsggml.TensorTypeQ4_0) {
+				return fail("%s is not Q4_0", name)
+			}
+		}
+		for _, n := range []string{"attn_norm", "ffn_norm"} {
+			name := fmt.Sprintf("blk.%d.%s.weight", i, n)
+			if t, ok := typ(name); !ok || t != uint32(fsggml.TensorTypeF32) {
+				return fail("%s is not F32", name)
+			}
+		}
+		for _, n := range []string{"attn_q.bias", "attn_k.bias", "attn_v.bias"} {
+			if _, ok := typ(fmt.Sprintf("blk.%d.%s", i, n)); ok {
+				return fail("attention biases")
+			}
+		}
+	}
+	if start == 0 {
+		t, _ := typ("token_embd.weight")
+		if !slices.Contains([]fsggml.TensorType{fsggml.TensorTypeF32, fsggml.TensorTypeF16, fsggml.TensorTypeQ4_0, fsggml.TensorTypeQ6_K}, fsggml.TensorType(t)) {
+			return fail("token embedding type %d", t)
+		}
+		s.embdType = t
+	}
+	if end == layers {
+		t, ok := typ("output.weight")
+		if !ok {
+			return fail("a tied output head")
+		}
+		if t != uint32(fsggml.TensorTypeQ4_0) && t != uint32(fsggml.TensorTypeQ6_K) {
+			return fail("output head type %d (Q4_0 or Q6_K only)", t)
+		}
+		if nt, _ := typ("output_norm.weight"); nt != uint32(fsggml.TensorTypeF32) {
+			return fail("output norm is not F32")
+		}
+		s.outType = t
+	}
+	return s, nil
+}
+
+// causalView reads the bookkeeping of ollama's causal cache, which it does
+// not export: which cell holds which position of which sequence, and the
+// per-layer K and V tensors. Its layout is fixed by the exact ollama
+// version pinned in go.mod; newCausalView checks it.
+type causalView struct {
+	c      reflect.Value // the *kvcache.Causal's struct
+	cells  *[]causalCell
+	keys   *map[int]ml.Tensor
+	values *map[int]ml.Tensor
+}
+
+type causalCell struct {
+	pos       int32
+	sequences []int
+}
+
+func newCausalView(cache kvcache.Cache) (*causalView, error) {
+	c, ok := cache.(*kvcache.Causal)
+	if !ok {
+		return nil, fmt.Errorf("%w: cache is a %T, not ollama's causal cache", errFusedUnavailable, cache)
+	}
+	v := reflect.ValueOf(c).Elem()
+	cells, keys, values := v.FieldByName("cells"), v.FieldByName("keys"), v.FieldByName("values")
+	if !cells.IsValid() || !keys.IsValid() || !values.IsValid() || !v.FieldByName("cellRanges").IsValid() {
+		return nil, fmt.Errorf("%w: ollama's causal cache has changed shape", errFusedUnavailable)
+	}
+	et := cells.Type().Elem()
+	var probe causalCell
+	if cells.Kind() != reflect.Slice || et.NumField() != 2 || et.Size() != unsafe.Sizeof(probe) ||
+		et.Field(0).Type != reflect.TypeOf(probe.pos) || et.Field(0).Offset != unsafe.Offsetof(probe.pos) ||
+		et.Field(1).Type != reflect.TypeOf(probe.sequences) || et.Field(1).Offset != unsafe.Offsetof(probe.sequences) ||
+		keys.Type() != reflect.TypeOf(map[int]ml.Tensor(nil)) || values.Type() != keys.Type() {
+		return nil, fmt.Errorf("%w: ollama's cache cells have changed shape", errFusedUnavailable)
+	}
+	return &causalView{
+		c:      v,
+		cells:  (*[]causalCell)(unsafe.Pointer(cells.UnsafeAddr())),
+		keys:   (*map[int]ml.Tensor)(unsafe.Pointer(keys.UnsafeAddr())),
+		values: (*map[int]ml.Tensor)(unsafe.Pointer(values.UnsafeAddr())),
+	}, nil
+}
+
+// layerKV returns layer i's K and V tensors, or nils before ggml has
+// written the layer (the cache makes them on first use).
+func (v *causalView) layerKV(i int) (k, val ml.Tensor) {
+	return (*v.keys)[i], (*v.values)[i]
+}
+
+// seqCells returns the cells seq (a cache slot) holds at positions before
+// pos, and the cell of pos itself, which StartForward has just handed out.
+func (v *causalView) seqCells(seq int, pos int32, into []int32) (earlier []int32, loc int, err error) {
+	r := v.c.FieldByName("cellRanges").MapIndex(reflect.ValueOf(seq))
+	if !r.IsValid() {
+		return nil, 0, fmt.Errorf("cache slot %d holds no cells", seq)
+	}
+	lo, hi := int(r.Field(0).Int()), int(r.Field(1).Int())
+	cells := *v.cells
+	if lo < 0 || hi >= len(cells) || lo > hi {
+		return nil, 0, fmt.Errorf("cache slot %d has cell range [%d,%d] outside %d cells", seq, lo, hi, len(cells))
+	}
+	loc = -1
+	earlier = into[:0]
+	for i := lo; i <= hi; i++ {
+		c := &cells[i]
+		if !slices.Contains(c.sequences, seq) {
+			continue
+		}
+		switch {
+		case c.pos < pos:
+			earlier = append(earlier, int32(i))
+		case c.pos == pos:
+			loc = i
+		}
+	}
+	if loc < 0 {
+		return nil, 0, fmt.Errorf("cache slot %d has no cell for position %d", seq, pos)
+	}
+	return earlier, loc, nil
+}

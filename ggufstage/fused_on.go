@@ -1,0 +1,352 @@
+//go:build repack && cgo
+
+package ggufstage
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stdlib.h>
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "cuda/fused.h"
+
+typedef int (*meshnode_mf_create_fn)(const mf_config *, mf_engine **, char *, int);
+typedef int (*meshnode_mf_step_fn)(mf_engine *, int, const float *, int, int, const int32_t *, int, float *, char *, int);
+typedef void (*meshnode_mf_destroy_fn)(mf_engine *);
+static meshnode_mf_create_fn meshnode_mf_create;
+static meshnode_mf_step_fn meshnode_mf_step;
+static meshnode_mf_destroy_fn meshnode_mf_destroy;
+
+// meshnode_mf_load opens the fused-path library: NULL, or why not.
+static const char *meshnode_mf_load(const char *path) {
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!h) return dlerror();
+	meshnode_mf_create = (meshnode_mf_create_fn) dlsym(h, "mf_create");
+	meshnode_mf_step = (meshnode_mf_step_fn) dlsym(h, "mf_step");
+	meshnode_mf_destroy = (meshnode_mf_destroy_fn) dlsym(h, "mf_destroy");
+	if (!meshnode_mf_create || !meshnode_mf_step || !meshnode_mf_destroy) return "the library lacks mf_create, mf_step or mf_destroy";
+	return NULL;
+}
+
+static int meshnode_mf_create_call(const mf_config *c, mf_engine **e, char *err, int n) { return meshnode_mf_create(c, e, err, n); }
+static int meshnode_mf_step_call(mf_engine *e, int token, const float *hidden, int pos, int loc, const int32_t *cells, int n, float *out, char *err, int errlen) {
+	return meshnode_mf_step(e, token, hidden, pos, loc, cells, n, out, err, errlen);
+}
+static void meshnode_mf_destroy_call(mf_engine *e) { meshnode_mf_destroy(e); }
+
+// meshnode_embed_row dequantizes row token of a host tensor into out.
+static int meshnode_embed_row(void *t, int token, float *out) {
+	struct ggml_tensor *x = (struct ggml_tensor *) t;
+	if (x == NULL || x->buffer == NULL || !ggml_backend_buffer_is_host(x->buffer)) return -1;
+	if (token < 0 || token >= x->ne[1]) return -2;
+	const struct ggml_type_traits *tt = ggml_get_type_traits(x->type);
+	if (tt->to_float == NULL) return -3;
+	tt->to_float((const char *) x->data + (size_t) token * x->nb[1], out, x->ne[0]);
+	return 0;
+}
+
+// The tensor's data when it lives in a device (not host) buffer, else NULL.
+static void *meshnode_device_data(void *t) {
+	struct ggml_tensor *x = (struct ggml_tensor *) t;
+	if (x == NULL || x->buffer == NULL || ggml_backend_buffer_is_host(x->buffer)) return NULL;
+	return x->data;
+}
+*/
+import "C"
+
+import (
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/ollama/ollama/ml"
+	"github.com/ollama/ollama/model/input"
+
+	"github.com/meshnode/meshnode/ggufstage/gguf"
+	"github.com/meshnode/meshnode/stage"
+)
+
+// FusedLibrary is the file name deploy/gpu/build-cuda.sh gives the fused
+// path's library, beside ggml's CUDA backend.
+const FusedLibrary = "libmeshnode-fused.so"
+
+var fusedLib struct {
+	once sync.Once
+	err  error
+}
+
+// loadFusedLibrary opens the library from MESHNODE_FUSED_LIB, else from the
+// folders of OLLAMA_LIBRARY_PATH, else lib/ollama beside the executable.
+func loadFusedLibrary() error {
+	fusedLib.once.Do(func() {
+		var tried []string
+		try := func(p string) bool {
+			cp := C.CString(p)
+			defer C.free(unsafe.Pointer(cp))
+			if msg := C.meshnode_mf_load(cp); msg != nil {
+				tried = append(tried, C.GoString(msg))
+				return false
+			}
+			return true
+		}
+		if p := os.Getenv("MESHNODE_FUSED_LIB"); p != "" {
+			if !try(p) {
+				fusedLib.err = fmt.Errorf("%w: MESHNODE_FUSED_LIB: %s", errFusedUnavailable, tried[0])
+			}
+			return
+		}
+		dirs := filepath.SplitList(os.Getenv("OLLAMA_LIBRARY_PATH"))
+		if exe, err := os.Executable(); err == nil {
+			dirs = append(dirs, filepath.Join(filepath.Dir(exe), "lib", "ollama"))
+		}
+		for _, d := range dirs {
+			if p := filepath.Join(d, FusedLibrary); fileExists(p) && try(p) {
+				return
+			}
+		}
+		fusedLib.err = fmt.Errorf("%w: no %s in OLLAMA_LIBRARY_PATH or lib/ollama beside the binary (deploy/gpu/build-cuda.sh builds it) %v", errFusedUnavailable, FusedLibrary, tried)
+	})
+	return fusedLib.err
+}
+
+func fileExists(p string) bool {
+	st, err := os.Stat(p)
+	return err == nil && !st.IsDir()
+}
+
+// cudaFused is the fused path of one engine. Its C engine is made at the
+// first step after ggml has made the stage's KV tensors.
+type cudaFused struct {
+	e      *Engine
+	view   *causalView
+	shape  fusedShape
+	h      *C.mf_engine
+	layers *C.mf_layer // C memory: the config points to it
+	errBuf *C.char
+	cells  []int32
+	// hostEmbd is the token embedding where ggml keeps it in host memory
+	// (ollama places the input layer on the CPU): the first stage looks
+	// the token's row up here and hands the kernels a hidden state.
+	hostEmbd unsafe.Pointer
+	embd     []float32
+}
+
+const fusedErrLen = 512
+
+func newFused(e *Engine, meta *gguf.File, start, end, layers int, flash bool, kv ml.DType) (fusedPath, error) {
+	shape, err := fusedEligible(meta, start, end, layers, flash, kv)
+	if err != nil {
+		return nil, err
+	}
+	if err := loadFusedLibrary(); err != nil {
+		return nil, err
+	}
+	view, err := newCausalView(e.cache)
+	if err != nil {
+		return nil, err
+	}
+	return &cudaFused{e: e, view: view, shape: shape, errBuf: (*C.char)(C.calloc(fusedErrLen, 1))}, nil
+}
+
+func (f *cudaFused) errText() string { return C.GoString(f.errBuf) }
+
+// create makes the C engine; ok is false while ggml has not yet made every
+// layer's KV tensors.
+func (f *cudaFused) create() (ok bool, err error) {
+	e := f.e
+	dev := func(name string) (unsafe.Pointer, error) {
+		t := e.backend.Get(name)
+		if t == nil {
+			return nil, fmt.Errorf("no tensor %s", name)
+		}
+		p := C.meshnode_device_data(pointerField(t, "t"))
+		if p == nil {
+			return nil, fmt.Errorf("tensor %s is not in GPU memory", name)
+		}
+		return p, nil
+	}
+	n := e.info.End - e.info.Start
+	ls := make([]C.mf_layer, n)
+	cells := 0
+	for j := range ls {
+		i := e.info.Start + j
+		k, v := f.view.layerKV(i)
+		if k == nil || v == nil {
+			return false, nil
+		}
+		if k.DType() != ml.DTypeF16 || v.DType() != ml.DTypeF16 || k.Dim(0) != f.shape.headDim || k.Dim(1) != f.shape.kvHeads ||
+			v.Dim(0) != f.shape.headDim || v.Dim(1) != f.shape.kvHeads || v.Dim(2) != k.Dim(2) {
+			return false, fmt.Errorf("layer %d's KV cache is not f16 [%d,%d,cells]", i, f.shape.headDim, f.shape.kvHeads)
+		}
+		cells = k.Dim(2)
+		l := &ls[j]
+		ptrs := []struct {
+			dst  *unsafe.Pointer
+			name string
+		}{
+			{&l.attn_norm, "attn_norm"}, {&l.wq, "attn_q"}, {&l.wk, "attn_k"}, {&l.wv, "attn_v"}, {&l.wo, "attn_output"},
+			{&l.ffn_norm, "ffn_norm"}, {&l.gate, "ffn_gate"}, {&l.up, "ffn_up"}, {&l.down, "ffn_down"},
+		}
+		for _, p := range ptrs {
+			d, err := dev(fmt.Sprintf("blk.%d.%s.weight", i, p.name))
+			if err != nil {
+				return false, err
+			}
+			*p.dst = d
+		}
+		if l.k = C.meshnode_device_data(pointerField(k, "t")); l.k == nil {
+			return false, fmt.Errorf("layer %d's K cache is not in GPU memory", i)
+		}
+		if l.v = C.meshnode_device_data(pointerField(v, "t")); l.v == nil {
+			return false, fmt.Errorf("layer %d's V cache is not in GPU memory", i)
+		}
+	}
+	f.layers = (*C.mf_layer)(C.malloc(C.size_t(n) * C.size_t(unsafe.Sizeof(C.mf_layer{}))))
+	copy(unsafe.Slice(f.layers, n), ls)
+	s := f.shape
+	cfg := C.mf_config{
+		n_layer: C.int(n), embd: C.int(s.embd), n_head: C.int(s.heads), n_kv_head: C.int(s.kvHeads),
+		head_dim: C.int(s.headDim), ffn: C.int(s.ffn), vocab: C.int(e.info.Vocab), cells: C.int(cells),
+		eps: C.float(s.eps), rope_base: C.float(s.ropeBase), rope_freq_scale: C.float(1 / s.ropeScale),
+		layers: f.layers, device: -1,
+	}
+	var err2 error
+	if e.info.First() {
+		t := e.backend.Get("token_embd.weight")
+		if t == nil {
+			return false, fmt.Errorf("no tensor token_embd.weight")
+		}
+		ct := pointerField(t, "t")
+		if p := C.meshnode_device_data(ct); p != nil {
+			cfg.embd_type, cfg.tok_embd = C.int(s.embdType), p
+		} else {
+			f.hostEmbd, f.embd = ct, make([]float32, s.embd)
+		}
+	}
+	if e.info.Last() {
+		cfg.out_type = C.int(s.outType)
+		if cfg.out_norm, err2 = dev("output_norm.weight"); err2 != nil {
+			return false, err2
+		}
+		if cfg.output, err2 = dev("output.weight"); err2 != nil {
+			return false, err2
+		}
+	}
+	computeMu.Lock()
+	rc := C.meshnode_mf_create_call(&cfg, &f.h, f.errBuf, fusedErrLen)
+	computeMu.Unlock()
+	if rc != 0 {
+		f.h = nil
+		return false, fmt.Errorf("%w: %s", errFusedUnavailable, f.errText())
+	}
+	return true, nil
+}
+
+func (f *cudaFused) step(b *stage.Batch, slot int, hidden []float32) (*stage.Output, bool, error) {
+	e := f.e
+	if f.h == nil {
+		ok, err := f.create()
+		if err != nil || !ok {
+			// ggml runs the pass; a path that cannot start stays off.
+			if err != nil {
+				e.fused, e.fusedWhy = nil, err.Error()
+				f.close()
+			}
+			return nil, false, nil
+		}
+	}
+	start := time.Now()
+	pos := b.Pos[0]
+	ctx := e.backend.NewContext()
+	err := e.cache.StartForward(ctx, input.Batch{Positions: []int32{pos}, Sequences: []int{slot}}, false)
+	ctx.Close()
+	if err != nil {
+		return nil, true, fmt.Errorf("placing batch in the KV cache: %w", err)
+	}
+	earlier, loc, err := f.view.seqCells(slot, pos, f.cells)
+	if err != nil {
+		_ = e.cache.Remove(slot, pos, math.MaxInt32)
+		return nil, true, fmt.Errorf("fused decode: %w", err)
+	}
+	f.cells = earlier
+	var dst []float32
+	var free func()
+	if e.info.Last() {
+		dst, free = e.logits.get(e.info.Vocab)
+	} else {
+		if cap(e.hidden) < e.info.Embd {
+			e.hidden = make([]float32, e.info.Embd)
+		}
+		dst = e.hidden[:e.info.Embd]
+	}
+	token := C.int(0)
+	var hp *C.float
+	switch {
+	case f.hostEmbd != nil:
+		if rc := C.meshnode_embed_row(f.hostEmbd, C.int(b.Tokens[0]), (*C.float)(unsafe.Pointer(&f.embd[0]))); rc != 0 {
+			if free != nil {
+				free()
+			}
+			_ = e.cache.Remove(slot, pos, math.MaxInt32)
+			return nil, true, fmt.Errorf("fused decode: looking up token %d in the embedding (%d)", b.Tokens[0], int(rc))
+		}
+		hp = (*C.float)(unsafe.Pointer(&f.embd[0]))
+	case e.info.First():
+		token = C.int(b.Tokens[0])
+	default:
+		hp = (*C.float)(unsafe.Pointer(&hidden[0]))
+	}
+	var cp *C.int32_t
+	if len(earlier) > 0 {
+		cp = (*C.int32_t)(unsafe.Pointer(&earlier[0]))
+	}
+	graph := time.Since(start)
+	computeMu.Lock()
+	start = time.Now()
+	rc := C.meshnode_mf_step_call(f.h, token, hp, C.int(pos), C.int(loc), cp, C.int(len(earlier)),
+		(*C.float)(unsafe.Pointer(&dst[0])), f.errBuf, fusedErrLen)
+	wait := time.Since(start)
+	computeMu.Unlock()
+	e.phases.passes.Add(1)
+	e.phases.graph.Add(int64(graph))
+	e.phases.wait.Add(int64(wait))
+	if rc != 0 {
+		if free != nil {
+			free()
+		}
+		// A CUDA error may leave the context unusable: reload the stage.
+		err := fmt.Errorf("%w: fused decode step: %s", ErrBroken, f.errText())
+		e.broken.Store(err)
+		return nil, true, err
+	}
+	out := &stage.Output{}
+	if e.info.Last() {
+		out.Logits, out.Free = dst, free
+		return out, true, nil
+	}
+	if out.Hidden, err = stage.NewActivation(stage.F32, 1, e.info.Embd, dst); err != nil {
+		return nil, true, err
+	}
+	return out, true, nil
+}
+
+func (f *cudaFused) close() {
+	if f.h != nil {
+		computeMu.Lock()
+		C.meshnode_mf_destroy_call(f.h)
+		computeMu.Unlock()
+		f.h = nil
+	}
+	if f.layers != nil {
+		C.free(unsafe.Pointer(f.layers))
+		f.layers = nil
+	}
+	if f.errBuf != nil {
+		C.free(unsafe.Pointer(f.errBuf))
+		f.errBuf = nil
+	}
+}
