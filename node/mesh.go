@@ -1055,7 +1055,7 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 		opts := ggufstage.Options{
 			Threads: m.cfg.Threads, Context: mm.ref.Context, MaxSeqs: max(mm.ref.Parallel, 1),
 			BatchSize: m.cfg.BatchTokens, FlashAttention: m.cfg.FlashAttention, BuildAhead: m.cfg.BuildAhead, DecodeGraphs: m.cfg.DecodeGraphs, NoRepack: m.cfg.NoRepack,
-			WireDType: m.cfg.WireDType, Device: m.cfg.Device,
+			WireDType: m.cfg.WireDType, Device: m.cfg.Device, FusedDecode: m.cfg.FusedDecode,
 		}
 		if m.cfg.kvF32 {
 			opts.KVType = ml.DTypeF32
@@ -1064,6 +1064,11 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 		e, err = ggufstage.Open(ls.slice, want.Start, want.End, opts)
 		if err != nil {
 			return err
+		}
+		if on, why := e.Fused(); on {
+			m.log.Info("one-row decode passes run on meshnode's fused CUDA kernels")
+		} else if why != "" {
+			m.log.Info("fused CUDA decode off", zap.String("why", why))
 		}
 		ls.engine = e
 	}

@@ -50,6 +50,7 @@ type Config struct {
 	FlashAttention ggufstage.Switch // Auto: on for a stage on a GPU, off on the CPU
 	BuildAhead     ggufstage.Switch // Auto: on for a stage on a GPU (see ggufstage.Options)
 	DecodeGraphs   ggufstage.Switch // Auto: off (see ggufstage.Options)
+	FusedDecode    ggufstage.Switch // Auto: on for a stage on CUDA that can run it (see ggufstage.Options)
 	NoRepack       bool
 	Device         string // cpu, cuda, auto: where this node's layers run
 	Logger         *zap.Logger

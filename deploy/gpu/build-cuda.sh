@@ -5,6 +5,11 @@
 #
 #   deploy/gpu/build-cuda.sh                     # sources from the Go module cache, GPU arch "native"
 #   deploy/gpu/build-cuda.sh --src DIR --arch 90 --out /opt/meshnode
+#   deploy/gpu/build-cuda.sh --fused-only --arch 90 --out DIR   # only meshnode's own kernels
+#
+# It also builds meshnode's fused decode kernels (ggufstage/cuda/fused.cu)
+# into libmeshnode-fused.so beside them (seconds); a stage on an NVIDIA GPU
+# uses them for one-token decode steps (serve --fused-decode, default auto).
 #
 # Needs cmake (>= 3.21), a C/C++ compiler and the CUDA toolkit (nvcc). It
 # builds only the ggml-cuda target (a few minutes on 16 cores) and installs
@@ -17,17 +22,30 @@
 # library it finds there and picks the GPU with --device auto or cuda).
 set -euo pipefail
 
-src="" arch="native" out="" jobs="$(nproc)"
+src="" arch="native" out="" jobs="$(nproc)" fused_only=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --src) src="$2"; shift 2 ;;
     --arch) arch="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     -j) jobs="$2"; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --fused-only) fused_only=1; shift ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || { echo "nvcc not found: install the CUDA toolkit" >&2; exit 2; }
+export PATH="$PATH:/usr/local/cuda/bin"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+[ -n "$out" ] || out="$root/bin"
+mkdir -p "$out/lib/ollama"
+# The fused decode kernels: one file, sm_XX from --arch ("native" asks nvcc).
+if [ "$arch" = native ]; then gencode=(-arch=native); else gencode=(-gencode "arch=compute_$arch,code=sm_$arch"); fi
+nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "${gencode[@]}" -cudart shared \
+  -o "$out/lib/ollama/libmeshnode-fused.so" "$root/ggufstage/cuda/fused.cu"
+echo "installed fused decode kernels in $out/lib/ollama/libmeshnode-fused.so"
+[ -z "$fused_only" ] || exit 0
+
 if [ -z "$src" ]; then
   if command -v go >/dev/null; then
     src="$(cd "$(dirname "$0")/../.." && go list -m -f '{{.Dir}}' github.com/ollama/ollama)"
@@ -37,9 +55,6 @@ if [ -z "$src" ]; then
   fi
 fi
 [ -f "$src/CMakeLists.txt" ] && [ -d "$src/ml/backend/ggml/ggml/src/ggml-cuda" ] || { echo "$src does not hold the ollama ggml sources" >&2; exit 2; }
-command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || { echo "nvcc not found: install the CUDA toolkit" >&2; exit 2; }
-export PATH="$PATH:/usr/local/cuda/bin"
-[ -n "$out" ] || out="$(cd "$(dirname "$0")/../.." && pwd)/bin"
 build="${BUILD_DIR:-$(mktemp -d)}"
 
 # The module cache is read-only; CMake writes only into $build.
