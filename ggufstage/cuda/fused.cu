@@ -597,7 +597,6 @@ struct mf_engine {
 	int *counter = nullptr, *params = nullptr;
 	int *hostParams = nullptr; // pinned
 	float *hostIO = nullptr;   // pinned: hidden in, and out
-	size_t smemMax = 0;
 	int pdl = 1;
 };
 
