@@ -15,5 +15,9 @@ import (
 const FusedLibrary = "libmeshnode-fused.so"
 
 func newFused(*Engine, *gguf.File, int, int, int, bool, ml.DType) (fusedPath, error) {
-	return nil, fmt.Errorf("%w: not in this build (it needs cgo and the repack tag)", errFusedUnavailable)
+	return nil, loadFusedLibrary()
+}
+
+func loadFusedLibrary() error {
+	return fmt.Errorf("%w: not in this build (it needs cgo and the repack tag)", errFusedUnavailable)
 }
