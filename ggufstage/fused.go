@@ -147,6 +147,7 @@ type causalView struct {
 	cells  *[]causalCell
 	keys   *map[int]ml.Tensor
 	values *map[int]ml.Tensor
+	ranges reflect.Value // cellRanges, settable: map[int]cellRange{min, max int}
 }
 
 type causalCell struct {
@@ -164,6 +165,12 @@ func newCausalView(cache kvcache.Cache) (*causalView, error) {
 	if !cells.IsValid() || !keys.IsValid() || !values.IsValid() || !v.FieldByName("cellRanges").IsValid() {
 		return nil, fmt.Errorf("%w: ollama's causal cache has changed shape", errFusedUnavailable)
 	}
+	ranges := v.FieldByName("cellRanges")
+	if rt := ranges.Type(); rt.Kind() != reflect.Map || rt.Key().Kind() != reflect.Int || rt.Elem().Kind() != reflect.Struct ||
+		rt.Elem().NumField() != 2 || rt.Elem().Field(0).Name != "min" || rt.Elem().Field(1).Name != "max" ||
+		rt.Elem().Field(0).Type.Kind() != reflect.Int || rt.Elem().Field(1).Type.Kind() != reflect.Int {
+		return nil, fmt.Errorf("%w: ollama's cache cell ranges have changed shape", errFusedUnavailable)
+	}
 	et := cells.Type().Elem()
 	var probe causalCell
 	if cells.Kind() != reflect.Slice || et.NumField() != 2 || et.Size() != unsafe.Sizeof(probe) ||
@@ -177,7 +184,33 @@ func newCausalView(cache kvcache.Cache) (*causalView, error) {
 		cells:  (*[]causalCell)(unsafe.Pointer(cells.UnsafeAddr())),
 		keys:   (*map[int]ml.Tensor)(unsafe.Pointer(keys.UnsafeAddr())),
 		values: (*map[int]ml.Tensor)(unsafe.Pointer(values.UnsafeAddr())),
+		ranges: reflect.NewAt(ranges.Type(), unsafe.Pointer(ranges.UnsafeAddr())).Elem(),
 	}, nil
+}
+
+// place gives position pos of seq the first free cell, as the cache's
+// StartForward does for a batch of that one row, and returns the cell.
+// StartForward also builds the inputs of a ggml graph (the cell indexes
+// and the attention mask, in buffers of their own) that a fused step
+// does not use: that costs tens of microseconds a step, and a step is a
+// millisecond. The cache must have no sliding window (llama's has none).
+func (v *causalView) place(seq int, pos int32) (int, error) {
+	cells := *v.cells
+	loc := slices.IndexFunc(cells, func(c causalCell) bool { return len(c.sequences) == 0 })
+	if loc < 0 {
+		return 0, fmt.Errorf("%w (cache: %d cells, batch: 1)", kvcache.ErrKvCacheFull, len(cells))
+	}
+	cells[loc] = causalCell{pos: pos, sequences: []int{seq}}
+	key := reflect.ValueOf(seq)
+	r := reflect.New(v.ranges.Type().Elem()).Elem()
+	lo, hi := loc, loc
+	if old := v.ranges.MapIndex(key); old.IsValid() {
+		lo, hi = min(lo, int(old.Field(0).Int())), max(hi, int(old.Field(1).Int()))
+	}
+	reflect.NewAt(r.Field(0).Type(), unsafe.Pointer(r.Field(0).UnsafeAddr())).Elem().SetInt(int64(lo))
+	reflect.NewAt(r.Field(1).Type(), unsafe.Pointer(r.Field(1).UnsafeAddr())).Elem().SetInt(int64(hi))
+	v.ranges.SetMapIndex(key, r)
+	return loc, nil
 }
 
 // layerKV returns layer i's K and V tensors, or nils before ggml has

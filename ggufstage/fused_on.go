@@ -11,11 +11,15 @@ package ggufstage
 #include "cuda/fused.h"
 
 typedef int (*meshnode_mf_create_fn)(const mf_config *, mf_engine **, char *, int);
-typedef int (*meshnode_mf_step_fn)(mf_engine *, int, const float *, int, int, const int32_t *, int, float *, char *, int);
+typedef int (*meshnode_mf_step_fn)(mf_engine *, int, const float *, int, int, const int32_t *, int, float *, int, char *, int);
 typedef void (*meshnode_mf_destroy_fn)(mf_engine *);
+typedef float *(*meshnode_mf_host_alloc_fn)(size_t);
+typedef void (*meshnode_mf_host_free_fn)(float *);
 static meshnode_mf_create_fn meshnode_mf_create;
 static meshnode_mf_step_fn meshnode_mf_step;
 static meshnode_mf_destroy_fn meshnode_mf_destroy;
+static meshnode_mf_host_alloc_fn meshnode_mf_host_alloc;
+static meshnode_mf_host_free_fn meshnode_mf_host_free;
 
 // meshnode_mf_load opens the fused-path library: NULL, or why not.
 static const char *meshnode_mf_load(const char *path) {
@@ -24,15 +28,20 @@ static const char *meshnode_mf_load(const char *path) {
 	meshnode_mf_create = (meshnode_mf_create_fn) dlsym(h, "mf_create");
 	meshnode_mf_step = (meshnode_mf_step_fn) dlsym(h, "mf_step");
 	meshnode_mf_destroy = (meshnode_mf_destroy_fn) dlsym(h, "mf_destroy");
-	if (!meshnode_mf_create || !meshnode_mf_step || !meshnode_mf_destroy) return "the library lacks mf_create, mf_step or mf_destroy";
+	meshnode_mf_host_alloc = (meshnode_mf_host_alloc_fn) dlsym(h, "mf_host_alloc");
+	meshnode_mf_host_free = (meshnode_mf_host_free_fn) dlsym(h, "mf_host_free");
+	if (!meshnode_mf_create || !meshnode_mf_step || !meshnode_mf_destroy || !meshnode_mf_host_alloc || !meshnode_mf_host_free)
+		return "the library lacks mf_create, mf_step, mf_destroy, mf_host_alloc or mf_host_free: rebuild it with deploy/gpu/build-cuda.sh";
 	return NULL;
 }
 
 static int meshnode_mf_create_call(const mf_config *c, mf_engine **e, char *err, int n) { return meshnode_mf_create(c, e, err, n); }
-static int meshnode_mf_step_call(mf_engine *e, int token, const float *hidden, int pos, int loc, const int32_t *cells, int n, float *out, char *err, int errlen) {
-	return meshnode_mf_step(e, token, hidden, pos, loc, cells, n, out, err, errlen);
+static int meshnode_mf_step_call(mf_engine *e, int token, const float *hidden, int pos, int loc, const int32_t *cells, int n, float *out, int pinned, char *err, int errlen) {
+	return meshnode_mf_step(e, token, hidden, pos, loc, cells, n, out, pinned, err, errlen);
 }
 static void meshnode_mf_destroy_call(mf_engine *e) { meshnode_mf_destroy(e); }
+static float *meshnode_mf_host_alloc_call(size_t n) { return meshnode_mf_host_alloc(n); }
+static void meshnode_mf_host_free_call(float *p) { meshnode_mf_host_free(p); }
 
 // meshnode_embed_row dequantizes row token of a host tensor into out.
 static int meshnode_embed_row(void *t, int token, float *out) {
@@ -64,7 +73,6 @@ import (
 	"unsafe"
 
 	"github.com/ollama/ollama/ml"
-	"github.com/ollama/ollama/model/input"
 
 	"github.com/meshnode/meshnode/ggufstage/gguf"
 	"github.com/meshnode/meshnode/stage"
@@ -133,6 +141,67 @@ type cudaFused struct {
 	// the token's row up here and hands the kernels a hidden state.
 	hostEmbd unsafe.Pointer
 	embd     []float32
+	// pinned holds the last stage's logits buffers, in pinned host memory
+	// that the GPU copies into directly: it saves copying 4 bytes per
+	// vocabulary entry again (half a megabyte a token for Llama 3).
+	pinned pinnedPool
+}
+
+// pinnedPool lends pinned host buffers of n floats, at most pinnedMax at
+// once; beyond that the caller uses ordinary memory. Buffers may come back
+// after the engine closed (a caller still held logits), and are freed then.
+type pinnedPool struct {
+	mu     sync.Mutex
+	n      int
+	free   []*C.float
+	made   int
+	closed bool
+}
+
+// pinnedMax is one buffer per pipeline lane in flight, with room to spare.
+const pinnedMax = 4
+
+// get returns a buffer and the function that gives it back, or nil.
+func (p *pinnedPool) get() ([]float32, func()) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var buf *C.float
+	switch {
+	case p.closed || p.n == 0:
+		return nil, nil
+	case len(p.free) > 0:
+		buf = p.free[len(p.free)-1]
+		p.free = p.free[:len(p.free)-1]
+	case p.made < pinnedMax:
+		if buf = C.meshnode_mf_host_alloc_call(C.size_t(p.n)); buf == nil {
+			return nil, nil
+		}
+		p.made++
+	default:
+		return nil, nil
+	}
+	var once sync.Once
+	return unsafe.Slice((*float32)(unsafe.Pointer(buf)), p.n), func() {
+		once.Do(func() {
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			if p.closed {
+				C.meshnode_mf_host_free_call(buf)
+				return
+			}
+			p.free = append(p.free, buf)
+		})
+	}
+}
+
+func (p *pinnedPool) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	for _, b := range p.free {
+		C.meshnode_mf_host_free_call(b)
+	}
+	p.free = nil
 }
 
 const fusedErrLen = 512
@@ -149,7 +218,11 @@ func newFused(e *Engine, meta *gguf.File, start, end, layers int, flash bool, kv
 	if err != nil {
 		return nil, err
 	}
-	return &cudaFused{e: e, view: view, shape: shape, errBuf: (*C.char)(C.calloc(fusedErrLen, 1))}, nil
+	f := &cudaFused{e: e, view: view, shape: shape, errBuf: (*C.char)(C.calloc(fusedErrLen, 1))}
+	if e.info.Last() {
+		f.pinned.n = e.info.Vocab
+	}
+	return f, nil
 }
 
 func (f *cudaFused) errText() string { return C.GoString(f.errBuf) }
@@ -261,10 +334,7 @@ func (f *cudaFused) step(b *stage.Batch, slot int, hidden []float32) (*stage.Out
 	}
 	start := time.Now()
 	pos := b.Pos[0]
-	ctx := e.backend.NewContext()
-	err := e.cache.StartForward(ctx, input.Batch{Positions: []int32{pos}, Sequences: []int{slot}}, false)
-	ctx.Close()
-	if err != nil {
+	if _, err := f.view.place(slot, pos); err != nil {
 		return nil, true, fmt.Errorf("placing batch in the KV cache: %w", err)
 	}
 	earlier, loc, err := f.view.seqCells(slot, pos, f.cells)
@@ -275,8 +345,13 @@ func (f *cudaFused) step(b *stage.Batch, slot int, hidden []float32) (*stage.Out
 	f.cells = earlier
 	var dst []float32
 	var free func()
+	pinned := C.int(0)
 	if e.info.Last() {
-		dst, free = e.logits.get(e.info.Vocab)
+		if dst, free = f.pinned.get(); dst != nil {
+			pinned = 1
+		} else {
+			dst, free = e.logits.get(e.info.Vocab)
+		}
 	} else {
 		if cap(e.hidden) < e.info.Embd {
 			e.hidden = make([]float32, e.info.Embd)
@@ -308,7 +383,7 @@ func (f *cudaFused) step(b *stage.Batch, slot int, hidden []float32) (*stage.Out
 	computeMu.Lock()
 	start = time.Now()
 	rc := C.meshnode_mf_step_call(f.h, token, hp, C.int(pos), C.int(loc), cp, C.int(len(earlier)),
-		(*C.float)(unsafe.Pointer(&dst[0])), f.errBuf, fusedErrLen)
+		(*C.float)(unsafe.Pointer(&dst[0])), pinned, f.errBuf, fusedErrLen)
 	wait := time.Since(start)
 	computeMu.Unlock()
 	e.phases.passes.Add(1)
@@ -335,6 +410,7 @@ func (f *cudaFused) step(b *stage.Batch, slot int, hidden []float32) (*stage.Out
 }
 
 func (f *cudaFused) close() {
+	f.pinned.close()
 	if f.h != nil {
 		computeMu.Lock()
 		C.meshnode_mf_destroy_call(f.h)

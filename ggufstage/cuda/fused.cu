@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdarg>
 #include <cstdint>
@@ -72,6 +73,7 @@ struct GemvArgs {
 	int stageBytes;
 	const float *x;
 	const float *norm; // RMS norm weights applied to x first, or null
+	int normDirect;    // read norm from global memory, not a shared copy (see placeNorm)
 	float eps;
 	float *y;
 	int epi;
@@ -322,17 +324,17 @@ __global__ void __launch_bounds__(kThreads, kBlocks) gemv(GemvArgs a) {
 		cpAsyncCommit();
 	};
 	issue(0); // in flight while the kernel before finishes and the input is quantized
-	if (a.norm) {
+	if (a.norm && !a.normDirect) {
 		for (int i = threadIdx.x; i < a.k / 4; i += kThreads) cpAsync16(normS + 4 * i, a.norm + 4 * i);
 		cpAsyncCommit();
 	}
 	pdlLaunchNext();
 	pdlWait();
-	if (a.norm) {
+	if (a.norm && !a.normDirect) {
 		cpAsyncWait<0>(); // the norm's copy, and step 0's
 		__syncthreads();
 	}
-	if (!(a.debug & 1)) quantizeInput(a, xq, xds, red, normS);
+	if (!(a.debug & 1)) quantizeInput(a, xq, xds, red, a.normDirect ? a.norm : normS);
 
 	float acc = 0.f, mine = 0.f; // lane i ends a unit with the sum of its row i
 	for (int k = 0; k < steps; k++) {
@@ -598,6 +600,13 @@ struct mf_engine {
 	int *hostParams = nullptr; // pinned
 	float *hostIO = nullptr;   // pinned: hidden in, and out
 	int pdl = 1;
+	int smemSM = 0; // shared memory per multiprocessor
+	// MESHNODE_FUSED_TIMING=N: every N steps, print how long the graph ran
+	// on the GPU against how long mf_step took, to tell GPU time from
+	// waiting (for a GPU shared with other processes, say).
+	int timing = 0, timed = 0;
+	cudaEvent_t ev0 = nullptr, ev1 = nullptr;
+	double gpuMs = 0, wallMs = 0;
 };
 
 namespace {
@@ -637,7 +646,16 @@ void gemvShape(GemvArgs &a, int type, int k, int epi) {
 
 size_t gemvSmem(const GemvArgs &a) {
 	return (size_t)kWarps * 2 * a.stageBytes + (size_t)a.k + (size_t)a.k / 32 * sizeof(float2) + 16 * sizeof(float) +
-	       (a.norm ? (size_t)a.k * sizeof(float) : 0);
+	       (a.norm && !a.normDirect ? (size_t)a.k * sizeof(float) : 0);
+}
+
+// placeNorm keeps the norm's shared copy (loaded while the kernel before
+// finishes) only where kBlocks blocks still fit on a multiprocessor with
+// it: the Q6_K head's stage buffers are large, and one block per
+// multiprocessor ran it at 2.7 TB/s.
+void placeNorm(GemvArgs &a, int smemPerSM) {
+	a.normDirect = 0;
+	if (a.norm && (size_t)kBlocks * (gemvSmem(a) + 1024) > (size_t)smemPerSM) a.normDirect = 1;
 }
 
 int gemvDebug = 0;
@@ -661,6 +679,7 @@ void launchGemv(mf_engine *e, const void *w0, const void *w1, const void *w2, in
 	a.total = r0 + r1 + r2;
 	gemvShape(a, type, k, epi);
 	a.x = x, a.norm = norm, a.eps = e->c.eps, a.y = y;
+	placeNorm(a, e->smemSM);
 	if (type == MF_Q4_0)
 		launch(e, gemv<MF_Q4_0>, e->sms * kBlocks, kThreads, gemvSmem(a), a);
 	else
@@ -743,6 +762,7 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	if (!e) return errf(err, errlen, "out of memory"), 1;
 	e->c = *cfg;
 	if (const char *v = getenv("MESHNODE_FUSED_PDL")) e->pdl = atoi(v) != 0;
+	if (const char *v = getenv("MESHNODE_FUSED_TIMING")) e->timing = atoi(v) > 0 ? atoi(v) : 0;
 	e->first = cfg->tok_embd != nullptr;
 	e->last = cfg->output != nullptr;
 	e->layers = new (std::nothrow) mf_layer[cfg->n_layer];
@@ -768,6 +788,7 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	CE(cudaDeviceGetAttribute(&e->sms, cudaDevAttrMultiProcessorCount, e->c.device));
 	int smemOptin = 0;
 	CE(cudaDeviceGetAttribute(&smemOptin, cudaDevAttrMaxSharedMemoryPerBlockOptin, e->c.device));
+	CE(cudaDeviceGetAttribute(&e->smemSM, cudaDevAttrMaxSharedMemoryPerMultiprocessor, e->c.device));
 	const mf_config &c = e->c;
 	const int qd = c.n_head * c.head_dim, kvd = c.n_kv_head * c.head_dim;
 	size_t need = 0;
@@ -775,12 +796,14 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		GemvArgs a{};
 		gemvShape(a, MF_Q4_0, k, kSwiGLU);
 		a.norm = c.layers[0].ffn_norm ? (const float *)c.layers[0].ffn_norm : nullptr; // sizes with a norm
+		placeNorm(a, e->smemSM);
 		need = need > gemvSmem(a) ? need : gemvSmem(a);
 	}
 	if (e->last) {
 		GemvArgs a{};
 		gemvShape(a, c.out_type, c.embd, kStore);
 		a.norm = (const float *)c.out_norm;
+		placeNorm(a, e->smemSM);
 		need = need > gemvSmem(a) ? need : gemvSmem(a);
 	}
 	if (need > (size_t)smemOptin) {
@@ -824,7 +847,7 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 }
 
 extern "C" int mf_step(mf_engine *e, int token, const float *hidden, int pos, int loc, const int32_t *cells, int n,
-                       float *out, char *err, int errlen) {
+                       float *out, int out_pinned, char *err, int errlen) {
 	const mf_config &c = e->c;
 	if (n < 0 || n >= c.cells || loc < 0 || loc >= c.cells || pos < 0)
 		return errf(err, errlen, "position %d, cell %d, %d cells: outside the cache's %d", pos, loc, n, c.cells), 1;
@@ -833,6 +856,7 @@ extern "C" int mf_step(mf_engine *e, int token, const float *hidden, int pos, in
 	for (int i = 0; i < n; i++)
 		if (cells[i] < 0 || cells[i] >= c.cells || cells[i] == loc)
 			return errf(err, errlen, "cache cell %d (of %d) at %d is not an earlier cell", cells[i], c.cells, i), 1;
+	const auto t0 = std::chrono::steady_clock::now();
 	int *hp = e->hostParams;
 	hp[0] = pos, hp[1] = loc, hp[2] = n, hp[3] = token;
 	memcpy(hp + kParams, cells, sizeof(int) * n);
@@ -842,11 +866,29 @@ extern "C" int mf_step(mf_engine *e, int token, const float *hidden, int pos, in
 		memcpy(e->hostIO, hidden, sizeof(float) * c.embd);
 		CK(cudaMemcpyAsync(e->x, e->hostIO, sizeof(float) * c.embd, cudaMemcpyHostToDevice, e->stream));
 	}
+	if (e->timing && !e->ev0) {
+		CK(cudaEventCreate(&e->ev0));
+		CK(cudaEventCreate(&e->ev1));
+	}
+	if (e->timing) CK(cudaEventRecord(e->ev0, e->stream));
 	CK(cudaGraphLaunch(e->exec, e->stream));
+	if (e->timing) CK(cudaEventRecord(e->ev1, e->stream));
 	const int nout = e->last ? c.vocab : c.embd;
-	CK(cudaMemcpyAsync(e->hostIO, e->last ? e->logits : e->x, sizeof(float) * nout, cudaMemcpyDeviceToHost, e->stream));
+	CK(cudaMemcpyAsync(out_pinned ? out : e->hostIO, e->last ? e->logits : e->x, sizeof(float) * nout,
+	                   cudaMemcpyDeviceToHost, e->stream));
 	CK(cudaStreamSynchronize(e->stream));
-	memcpy(out, e->hostIO, sizeof(float) * nout);
+	if (!out_pinned) memcpy(out, e->hostIO, sizeof(float) * nout);
+	if (e->timing) {
+		float ms = 0;
+		CK(cudaEventElapsedTime(&ms, e->ev0, e->ev1));
+		e->gpuMs += ms;
+		e->wallMs += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+		if (++e->timed == e->timing) {
+			fprintf(stderr, "fused steps (%d layers): graph on the GPU %.3f ms, mf_step %.3f ms, mean of %d\n", c.n_layer,
+			        e->gpuMs / e->timed, e->wallMs / e->timed, e->timed);
+			e->timed = 0, e->gpuMs = e->wallMs = 0;
+		}
+	}
 	return 0;
 }
 
@@ -911,11 +953,21 @@ extern "C" void mf_profile(mf_engine *e) {
 			launchGemv(e, e->layers[i].down, nullptr, nullptr, c.embd, 0, 0, c.ffn, MF_Q4_0, e->act, nullptr, e->qkv, kStore);
 	});
 	if (e->last)
-		time("head", (double)rowBytes(c.out_type, c.embd) * c.vocab * c.n_layer, [&] {
+		time("head", (double)rowBytes(c.out_type, c.embd) * c.vocab, [&] {
 			for (int i = 0; i < c.n_layer; i++)
 				launchGemv(e, c.output, nullptr, nullptr, c.vocab, 0, 0, c.embd, c.out_type, e->x, (const float *)c.out_norm, e->logits, kStore);
 		});
 	cudaEventDestroy(t0), cudaEventDestroy(t1);
+}
+
+extern "C" float *mf_host_alloc(size_t n) {
+	float *p = nullptr;
+	if (cudaHostAlloc(&p, sizeof(float) * n, cudaHostAllocPortable) != cudaSuccess) return nullptr;
+	return p;
+}
+
+extern "C" void mf_host_free(float *p) {
+	if (p) cudaFreeHost(p);
 }
 
 extern "C" void mf_destroy(mf_engine *e) {
@@ -926,6 +978,8 @@ extern "C" void mf_destroy(mf_engine *e) {
 	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->params);
 	if (e->hostParams) cudaFreeHost(e->hostParams);
 	if (e->hostIO) cudaFreeHost(e->hostIO);
+	if (e->ev0) cudaEventDestroy(e->ev0);
+	if (e->ev1) cudaEventDestroy(e->ev1);
 	if (e->stream) cudaStreamDestroy(e->stream);
 	delete[] e->layers;
 	delete e;

@@ -52,9 +52,15 @@ int mf_create(const mf_config *c, mf_engine **e, char *err, int errlen);
 // first stage, else hidden (embd floats). Its K and V go to cache cell loc;
 // it attends to cells[0..n) (the sequence's earlier positions, loc not among
 // them) and to itself. out receives vocab logits on the last stage, else
-// embd hidden floats. 0, or a message in err.
+// embd hidden floats; out_pinned says out came from mf_host_alloc, so that
+// the result is copied there straight from the GPU. 0, or a message in err.
 int mf_step(mf_engine *e, int token, const float *hidden, int pos, int loc,
-            const int32_t *cells, int n, float *out, char *err, int errlen);
+            const int32_t *cells, int n, float *out, int out_pinned, char *err, int errlen);
+
+// mf_host_alloc returns n floats of pinned host memory (NULL if it cannot),
+// which mf_host_free gives back.
+float *mf_host_alloc(size_t n);
+void mf_host_free(float *p);
 
 void mf_destroy(mf_engine *e);
 

@@ -283,7 +283,7 @@ static mf_engine *create(const mf_config &c) {
 
 static void step(mf_engine *e, int tok, const float *hidden, int pos, int loc, const std::vector<int> &cells, float *out) {
 	char err[512];
-	if (mf_step(e, tok, hidden, pos, loc, cells.data(), (int)cells.size(), out, err, sizeof err)) {
+	if (mf_step(e, tok, hidden, pos, loc, cells.data(), (int)cells.size(), out, 0, err, sizeof err)) {
 		fprintf(stderr, "mf_step: %s\n", err);
 		exit(1);
 	}
