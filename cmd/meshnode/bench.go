@@ -60,6 +60,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	gpuPerNode := fs.Bool("gpu-per-node", false, "with --mesh: node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES)")
 	workDir := fs.String("work-dir", "", "with --mesh: the folder for the nodes' data and logs, whose logs stay after the run (default: a temporary one, removed unless a run fails)")
 	profileDir := fs.String("profile-dir", "", "with --mesh: after measuring, save a CPU profile of every node (go tool pprof) decoding at the first and last --streams count into this folder")
+	trace := fs.Bool("trace", false, "with --profile-dir: also save a one-second Go execution trace of every node (go tool trace)")
 	var pipelining ggufstage.Switch
 	fs.Var(switchFlag{&pipelining}, "pipelining", "with --mesh: the nodes' serve --pipelining: auto (their default: when every stage has a GPU of its own, as with --gpu-per-node), on, off")
 	prefill := fs.Int("prefill", 512, "with --mesh: prompt tokens per stream of the prefill measurement; -1 skips it")
@@ -94,7 +95,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		mc := bench.MeshConfig{
 			Model: cfg.Model, Streams: cfg.Streams, DecodeTokens: cfg.DecodeTokens, Runs: cfg.Runs,
 			Threads: cfg.Threads, SkipLoopback: *netnsOnly, PrefillTokens: *prefill,
-			ProfileDir: *profileDir, WorkDir: *workDir,
+			ProfileDir: *profileDir, Trace: *trace, WorkDir: *workDir,
 		}
 		set := map[string]bool{}
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })

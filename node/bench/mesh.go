@@ -48,6 +48,9 @@ type MeshConfig struct {
 	// pprof format) taken while it decodes at the first and the last
 	// stream count, after the measurements, which it does not disturb.
 	ProfileDir string
+	// Trace, with ProfileDir, also saves a Go execution trace of every
+	// node (traceSeconds long, go tool trace), for where a hop's time goes.
+	Trace bool
 	// PrefillTokens is the prompt of each stream in the prefill
 	// measurement (max_tokens 1); default 512, negative skips it.
 	PrefillTokens int
@@ -764,7 +767,9 @@ func redact(args []string, key string) []string {
 func nodeEnv() []string {
 	var env []string
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "MESHNODE_") {
+		// The fused CUDA kernels' knobs are no flags: they pass.
+		knob := strings.HasPrefix(kv, "MESHNODE_FUSED_PDL=") || strings.HasPrefix(kv, "MESHNODE_FUSED_TIMING=")
+		if knob || !strings.HasPrefix(kv, "MESHNODE_") {
 			env = append(env, kv)
 		}
 	}
@@ -858,8 +863,9 @@ func (c cancelOnClose) Close() error {
 	return err
 }
 
-// profileSeconds is how long each node's CPU profile runs.
-const profileSeconds = 4
+// profileSeconds is how long each node's CPU profile runs; traceSeconds
+// how long its execution trace does (a trace grows by megabytes a second).
+const profileSeconds, traceSeconds = 4, 1
 
 // profile decodes n streams, over and over, while every node takes a CPU
 // profile, and writes the profiles to the profile dir.
@@ -869,13 +875,25 @@ func (m *meshRun) profile(ctx context.Context, api, model string, n int, tokens 
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	errs := make([]error, len(m.procs))
+	errs := make([]error, 2*len(m.procs)) // a CPU profile and a trace each
 	var wg sync.WaitGroup
 	for i, p := range m.procs {
 		name := fmt.Sprintf("%s-%dstages-%dstreams-node%d.pprof", strings.ReplaceAll(m.nw.name, "+", "-"), stages, n, i+1)
 		wg.Go(func() {
 			errs[i] = m.fetch(ctx, fmt.Sprintf("%s/debug/pprof/profile?seconds=%d", p.url, profileSeconds), filepath.Join(m.cfg.ProfileDir, name))
 		})
+		if m.cfg.Trace {
+			wg.Go(func() {
+				// Start after the CPU profile, so that the trace holds its samples.
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(time.Second):
+				}
+				trace := strings.TrimSuffix(name, ".pprof") + ".trace"
+				errs[len(m.procs)+i] = m.fetch(ctx, fmt.Sprintf("%s/debug/pprof/trace?seconds=%d", p.url, traceSeconds), filepath.Join(m.cfg.ProfileDir, trace))
+			})
+		}
 	}
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
