@@ -74,6 +74,7 @@ struct GemvArgs {
 	const float *x;
 	const float *norm; // RMS norm weights applied to x first, or null
 	int normDirect;    // read norm from global memory, not a shared copy (see placeNorm)
+	int late;          // issue the first weight copies after the input's loads, not before pdlWait
 	float eps;
 	float *y;
 	int epi;
@@ -157,7 +158,10 @@ __device__ __forceinline__ void load16(const float *p, float (&v)[16]) {
 // Quantizes the (RMS-normalized) input to int8 in blocks of 32 into shared
 // memory: xq, and per block its scale and the scale times the sum of its
 // integers. Each thread takes 16 contiguous values, so the loads coalesce.
-__device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float *red, const float *normS) {
+// afterLoads runs once the input's loads are issued and before their
+// values are used (see GemvArgs.late).
+template <typename F>
+__device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float *red, const float *normS, F afterLoads) {
 	const int halves = a.k / 16;
 	const int iters = (halves + kThreads - 1) / kThreads; // the same for every thread: the shuffles need all
 	if (!a.norm) {
@@ -169,6 +173,7 @@ __device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float 
 				const int hg = threadIdx.x + kThreads * (i0 + i);
 				if (hg < halves) load16(a.x + hg * 16, v[i]);
 			}
+			if (i0 == 0) afterLoads();
 #pragma unroll
 			for (int i = 0; i < kHeld; i++) {
 				if (i0 + i >= iters) break;
@@ -184,8 +189,13 @@ __device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float 
 #pragma unroll
 	for (int i = 0; i < kHeld; i++) {
 		const int hg = threadIdx.x + kThreads * i;
+		if (hg < halves) load16(a.x + hg * 16, v[i]);
+	}
+	afterLoads();
+#pragma unroll
+	for (int i = 0; i < kHeld; i++) {
+		const int hg = threadIdx.x + kThreads * i;
 		if (hg < halves) {
-			load16(a.x + hg * 16, v[i]);
 #pragma unroll
 			for (int j = 0; j < 16; j++) ss += v[i][j] * v[i][j];
 		}
@@ -323,18 +333,28 @@ __global__ void __launch_bounds__(kThreads, kBlocks) gemv(GemvArgs a) {
 		}
 		cpAsyncCommit();
 	};
-	issue(0); // in flight while the kernel before finishes and the input is quantized
-	if (a.norm && !a.normDirect) {
+	const bool normShared = a.norm && !a.normDirect;
+	if (normShared) {
 		for (int i = threadIdx.x; i < a.k / 4; i += kThreads) cpAsync16(normS + 4 * i, a.norm + 4 * i);
 		cpAsyncCommit();
 	}
+	// Step 0's copy goes in flight while the kernel before finishes, or
+	// (late) only once the input's loads are issued, so that those do not
+	// queue behind a multiprocessor's worth of weight copies.
+	if (!a.late) issue(0);
 	pdlLaunchNext();
 	pdlWait();
-	if (a.norm && !a.normDirect) {
-		cpAsyncWait<0>(); // the norm's copy, and step 0's
-		__syncthreads();
-	}
-	if (!(a.debug & 1)) quantizeInput(a, xq, xds, red, a.normDirect ? a.norm : normS);
+	auto afterLoads = [&]() {
+		if (a.late) issue(0);
+		if (normShared) {
+			cpAsyncWait<1>(); // the norm's copy, committed before step 0's
+			__syncthreads();
+		}
+	};
+	if (a.debug & 1)
+		afterLoads();
+	else
+		quantizeInput(a, xq, xds, red, a.normDirect ? a.norm : normS, afterLoads);
 
 	float acc = 0.f, mine = 0.f; // lane i ends a unit with the sum of its row i
 	for (int k = 0; k < steps; k++) {
@@ -416,7 +436,10 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	__shared__ float wm[kAttnThreads / 32], wl[kAttnThreads / 32], wacc[kAttnThreads / 32][HD];
 	__shared__ int last;
 	pdlLaunchNext();
-	pdlWait();
+	// The step's parameters (copied before the graph ran) and the earlier
+	// cells' K and V (written by earlier steps) are ready before the
+	// kernel before this one ends: a warp's first cells are loaded while
+	// it does, leaving only q, k and v on the path after the wait.
 	const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
 	const int g = h / (a.nHead / a.nKV);
 	const int pos = a.params[0], loc = a.params[1], n = a.params[2];
@@ -425,6 +448,22 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	// and a share of the merge.
 	const int active = min(kSplits, max(1, (n + kCellsPerSplit - 1) / kCellsPerSplit));
 	if (s >= active) return;
+	const int warp = tid >> 5, lane = tid & 31;
+	// kU cells per warp at a time: their loads are in flight together.
+	const int j0 = (int)((long long)n * s / active), j1 = (int)((long long)n * (s + 1) / active);
+	float kv[kU][D], vv[kU][D];
+	auto load = [&](int j) {
+#pragma unroll
+		for (int u = 0; u < kU; u++) {
+			const int c = j + u < j1 ? cells[j + u] : cells[j];
+			const size_t off = ((size_t)c * a.nKV + g) * HD + lane * D;
+			loadHalves<D>(a.kc + off, kv[u]);
+			loadHalves<D>(a.vc + off, vv[u]);
+		}
+	};
+	const int jFirst = j0 + warp * kU;
+	if (jFirst < j1) load(jFirst);
+	pdlWait();
 
 	if (tid < HD / 2) {
 		const int i = tid;
@@ -450,7 +489,6 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 		a.vc[off] = __float2half(vn[tid]);
 	}
 
-	const int warp = tid >> 5, lane = tid & 31;
 	float qr[D], acc[D];
 #pragma unroll
 	for (int d = 0; d < D; d++) qr[d] = q[lane * D + d], acc[d] = 0.f;
@@ -470,17 +508,8 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 		for (int d = 0; d < D; d++) sc += qr[d] * kn[lane * D + d], v[d] = vn[lane * D + d];
 		add(warpSum(sc), v);
 	}
-	// kU cells per warp at a time: their loads are in flight together.
-	const int j0 = (int)((long long)n * s / active), j1 = (int)((long long)n * (s + 1) / active);
-	for (int j = j0 + warp * kU; j < j1; j += kAttnThreads / 32 * kU) {
-		float kv[kU][D], vv[kU][D];
-#pragma unroll
-		for (int u = 0; u < kU; u++) {
-			const int c = j + u < j1 ? cells[j + u] : cells[j];
-			const size_t off = ((size_t)c * a.nKV + g) * HD + lane * D;
-			loadHalves<D>(a.kc + off, kv[u]);
-			loadHalves<D>(a.vc + off, vv[u]);
-		}
+	for (int j = jFirst; j < j1; j += kAttnThreads / 32 * kU) {
+		if (j != jFirst) load(j);
 		float sc[kU];
 #pragma unroll
 		for (int u = 0; u < kU; u++) {
@@ -601,6 +630,7 @@ struct mf_engine {
 	float *hostIO = nullptr;   // pinned: hidden in, and out
 	int pdl = 1;
 	int smemSM = 0; // shared memory per multiprocessor
+	int late = 1;   // GemvArgs.late, from MESHNODE_FUSED_LATE (run 47: 1.5 us a layer)
 	// MESHNODE_FUSED_TIMING=N: every N steps, print how long the graph ran
 	// on the GPU against how long mf_step took, to tell GPU time from
 	// waiting (for a GPU shared with other processes, say).
@@ -680,6 +710,7 @@ void launchGemv(mf_engine *e, const void *w0, const void *w1, const void *w2, in
 	gemvShape(a, type, k, epi);
 	a.x = x, a.norm = norm, a.eps = e->c.eps, a.y = y;
 	placeNorm(a, e->smemSM);
+	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
 	if (type == MF_Q4_0)
 		launch(e, gemv<MF_Q4_0>, e->sms * kBlocks, kThreads, gemvSmem(a), a);
 	else
@@ -762,6 +793,7 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	if (!e) return errf(err, errlen, "out of memory"), 1;
 	e->c = *cfg;
 	if (const char *v = getenv("MESHNODE_FUSED_PDL")) e->pdl = atoi(v) != 0;
+	if (const char *v = getenv("MESHNODE_FUSED_LATE")) e->late = atoi(v) != 0;
 	if (const char *v = getenv("MESHNODE_FUSED_TIMING")) e->timing = atoi(v) > 0 ? atoi(v) : 0;
 	e->first = cfg->tok_embd != nullptr;
 	e->last = cfg->output != nullptr;
