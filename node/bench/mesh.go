@@ -767,8 +767,9 @@ func redact(args []string, key string) []string {
 func nodeEnv() []string {
 	var env []string
 	for _, kv := range os.Environ() {
-		// The fused CUDA kernels' knobs are no flags: they pass.
-		knob := strings.HasPrefix(kv, "MESHNODE_FUSED_PDL=") || strings.HasPrefix(kv, "MESHNODE_FUSED_TIMING=")
+		// The fused CUDA kernels' knobs (MESHNODE_FUSED_PDL, _TIMING, ...)
+		// are no flags, unlike --fused-decode: they pass.
+		knob := strings.HasPrefix(kv, "MESHNODE_FUSED_") && !strings.HasPrefix(kv, "MESHNODE_FUSED_DECODE=")
 		if knob || !strings.HasPrefix(kv, "MESHNODE_") {
 			env = append(env, kv)
 		}
