@@ -17,15 +17,19 @@
 
 namespace {
 
-// The mat-vec kernels: kBlocks blocks of kThreads per multiprocessor. Each
+// The mat-vec kernels: a block or two per multiprocessor (see below). Each
 // warp works alone after the input is quantized: it copies whole rows (or
 // 32 super-blocks of one) into its own shared memory with coalesced 16-byte
 // loads, all in flight together, and each lane then takes one super-block
 // of 256 weights from there. Quantized blocks of 18 or 210 bytes cannot be
 // read by lanes directly without splitting every load.
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kBlocks = 2;
+// Two shapes (run 50, 8B Q4_0 on an H200): two blocks of 256 threads for
+// the mat-vecs of n_embd columns (qkv 7.4 against 8.4 us, o, gate+up);
+// one block of 512, which halves the blocks that each quantize the input,
+// for down's 14336 columns (12.1 against 13.2 us) and the Q6_K head (131
+// against 138 us).
+constexpr int kThreads = 256, kWideThreads = 512; // kThreads: the narrow shape
+template <int THREADS> constexpr int blocksOf() { return 512 / THREADS; }
 // Attention: kSplits blocks per head share a sequence's cells.
 constexpr int kSplits = 32;
 constexpr int kU = 8; // cells a warp loads at once
@@ -78,6 +82,7 @@ struct GemvArgs {
 	float eps;
 	float *y;
 	int epi;
+	int threads; // the block's: kThreads or kWideThreads (gemvShape)
 	int debug; // mf_profile: 1 skips the input's quantization, 2 the dot products
 };
 
@@ -160,8 +165,9 @@ __device__ __forceinline__ void load16(const float *p, float (&v)[16]) {
 // integers. Each thread takes 16 contiguous values, so the loads coalesce.
 // afterLoads runs once the input's loads are issued and before their
 // values are used (see GemvArgs.late).
-template <typename F>
+template <int THREADS, typename F>
 __device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float *red, const float *normS, F afterLoads) {
+	constexpr int kThreads = THREADS, kWarps = THREADS / 32;
 	const int halves = a.k / 16;
 	const int iters = (halves + kThreads - 1) / kThreads; // the same for every thread: the shuffles need all
 	if (!a.norm) {
@@ -297,8 +303,9 @@ template <int N> __device__ __forceinline__ void cpAsyncWait() { asm volatile("c
 // Each warp walks its steps (unit, round of rpp rows, pass over up to 32
 // super-blocks of each) with the next step's copy in flight (cp.async into
 // the warp's other stage buffer) while it computes the current one.
-template <int TYPE>
-__global__ void __launch_bounds__(kThreads, kBlocks) gemv(GemvArgs a) {
+template <int TYPE, int THREADS>
+__global__ void __launch_bounds__(THREADS, blocksOf<THREADS>()) gemv(GemvArgs a) {
+	constexpr int kThreads = THREADS, kWarps = THREADS / 32;
 	constexpr int kMaxChunks = TYPE == MF_Q4_0 ? 9 : 14; // 16-byte copies a lane makes per step
 	extern __shared__ __align__(16) uint8_t smem[];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -354,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, kBlocks) gemv(GemvArgs a) {
 	if (a.debug & 1)
 		afterLoads();
 	else
-		quantizeInput(a, xq, xds, red, a.normDirect ? a.norm : normS, afterLoads);
+		quantizeInput<THREADS>(a, xq, xds, red, a.normDirect ? a.norm : normS, afterLoads);
 
 	float acc = 0.f, mine = 0.f; // lane i ends a unit with the sum of its row i
 	for (int k = 0; k < steps; k++) {
@@ -672,20 +679,21 @@ void gemvShape(GemvArgs &a, int type, int k, int epi) {
 	a.unitRows = epi != kSwiGLU ? a.rpp : (a.rpp < 2 ? 2 : a.rpp & ~1);
 	a.stageBytes = a.rpp * a.group * a.sbBytes;
 	a.epi = epi;
+	a.threads = type == MF_Q6_K || k > 8192 ? kWideThreads : kThreads;
 }
 
 size_t gemvSmem(const GemvArgs &a) {
-	return (size_t)kWarps * 2 * a.stageBytes + (size_t)a.k + (size_t)a.k / 32 * sizeof(float2) + 16 * sizeof(float) +
+	return (size_t)(a.threads / 32) * 2 * a.stageBytes + (size_t)a.k + (size_t)a.k / 32 * sizeof(float2) + 16 * sizeof(float) +
 	       (a.norm && !a.normDirect ? (size_t)a.k * sizeof(float) : 0);
 }
 
 // placeNorm keeps the norm's shared copy (loaded while the kernel before
-// finishes) only where kBlocks blocks still fit on a multiprocessor with
+// finishes) only where the shape's blocks still fit on a multiprocessor with
 // it: the Q6_K head's stage buffers are large, and one block per
 // multiprocessor ran it at 2.7 TB/s.
 void placeNorm(GemvArgs &a, int smemPerSM) {
 	a.normDirect = 0;
-	if (a.norm && (size_t)kBlocks * (gemvSmem(a) + 1024) > (size_t)smemPerSM) a.normDirect = 1;
+	if (a.norm && (size_t)(512 / a.threads) * (gemvSmem(a) + 1024) > (size_t)smemPerSM) a.normDirect = 1;
 }
 
 int gemvDebug = 0;
@@ -711,10 +719,13 @@ void launchGemv(mf_engine *e, const void *w0, const void *w1, const void *w2, in
 	a.x = x, a.norm = norm, a.eps = e->c.eps, a.y = y;
 	placeNorm(a, e->smemSM);
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
-	if (type == MF_Q4_0)
-		launch(e, gemv<MF_Q4_0>, e->sms * kBlocks, kThreads, gemvSmem(a), a);
+	const int blocks = e->sms * (512 / a.threads);
+	if (type == MF_Q6_K)
+		launch(e, gemv<MF_Q6_K, kWideThreads>, blocks, a.threads, gemvSmem(a), a);
+	else if (a.threads == kWideThreads)
+		launch(e, gemv<MF_Q4_0, kWideThreads>, blocks, a.threads, gemvSmem(a), a);
 	else
-		launch(e, gemv<MF_Q6_K>, e->sms * kBlocks, kThreads, gemvSmem(a), a);
+		launch(e, gemv<MF_Q4_0, kThreads>, blocks, a.threads, gemvSmem(a), a);
 }
 
 void launchAttention(mf_engine *e, const mf_layer &L) {
@@ -842,8 +853,9 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		errf(err, errlen, "the mat-vec kernel needs %zu bytes of shared memory, the device gives %d", need, smemOptin);
 		return fail();
 	}
-	CE(cudaFuncSetAttribute(gemv<MF_Q4_0>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
-	CE(cudaFuncSetAttribute(gemv<MF_Q6_K>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
+	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
+	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kWideThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
+	CE(cudaFuncSetAttribute(gemv<MF_Q6_K, kWideThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
 	CE(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
 	CE(cudaMalloc(&e->x, sizeof(float) * c.embd));
 	CE(cudaMalloc(&e->qkv, sizeof(float) * (qd + 2 * kvd)));
