@@ -328,7 +328,7 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 	}
 	switch {
 	case gpu != nil && strings.EqualFold(gpu.Library, "CUDA") && opts.FusedDecode.on(true):
-		f, err := newFused(e, meta, start, end, layers, flash, opts.KVType)
+		f, err := newFused(e, meta, flash, opts.KVType)
 		switch {
 		case err == nil:
 			// One-row decode passes build no ggml graph to build ahead.

@@ -12,6 +12,8 @@ import (
 	"fmt"
 	"reflect"
 	"slices"
+	"strconv"
+	"strings"
 	"unsafe"
 
 	fsggml "github.com/ollama/ollama/fs/ggml"
@@ -41,9 +43,10 @@ type fusedShape struct {
 	embdType, outType                  uint32
 }
 
-// fusedEligible says why the fused path cannot run layers [start,end) of
-// meta on this stage, or returns the shape it needs.
-func fusedEligible(meta *gguf.File, start, end, layers int, flash bool, kv ml.DType) (fusedShape, error) {
+// fusedEligible says why the fused path cannot run a stage of the model
+// meta is (a slice of), or returns the shape it needs. The answer is the
+// same for every stage of one model.
+func fusedEligible(meta *gguf.File, flash bool, kv ml.DType) (fusedShape, error) {
 	var s fusedShape
 	fail := func(format string, args ...any) (fusedShape, error) {
 		return s, fmt.Errorf("%w: %s", errFusedUnavailable, fmt.Sprintf(format, args...))
@@ -86,56 +89,80 @@ func fusedEligible(meta *gguf.File, start, end, layers int, flash bool, kv ml.DT
 	s.eps = f("attention.layer_norm_rms_epsilon", 1e-5)
 	s.ropeBase = f("rope.freq_base", defaultRopeBase)
 	s.ropeScale = f("rope.scaling.factor", 1)
-	if _, ok := meta.Tensor("rope_freqs.weight"); ok {
+	// Every stage of a mesh must choose alike, or a split would not decode
+	// as the whole model does: each judges the whole model's tensor types
+	// (a slice carries them), never only the tensors it holds. A last
+	// stage of a tied model, say, holds the embedding as its output head.
+	types, err := modelTypes(meta)
+	if err != nil {
+		return fail("%v", err)
+	}
+	only := func(kind string, want ...fsggml.TensorType) (fsggml.TensorType, error) {
+		ts := types[kind]
+		if len(ts) != 1 || !slices.Contains(want, ts[0]) {
+			if len(ts) == 0 {
+				return 0, fmt.Errorf("%w: the model has no %s", errFusedUnavailable, kind)
+			}
+			return 0, fmt.Errorf("%w: %s is %v (%v only)", errFusedUnavailable, kind, ts, want)
+		}
+		return ts[0], nil
+	}
+	if _, ok := types["rope_freqs.weight"]; ok {
 		return fail("rope frequency factors")
 	}
-	typ := func(name string) (uint32, bool) {
-		t, ok := meta.Tensor(name)
-		if !ok {
-			return 0, false
-		}
-		return t.Type, true
-	}
-	for i := start; i < end; i++ {
-		for _, n := range []string{"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"} {
-			name := fmt.Sprintf("blk.%d.%s.weight", i, n)
-			if t, ok := typ(name); !ok || t != uint32(fsggml.TensorTypeQ4_0) {
-				return fail("%s is not Q4_0", name)
-			}
-		}
-		for _, n := range []string{"attn_norm", "ffn_norm"} {
-			name := fmt.Sprintf("blk.%d.%s.weight", i, n)
-			if t, ok := typ(name); !ok || t != uint32(fsggml.TensorTypeF32) {
-				return fail("%s is not F32", name)
-			}
-		}
-		for _, n := range []string{"attn_q.bias", "attn_k.bias", "attn_v.bias"} {
-			if _, ok := typ(fmt.Sprintf("blk.%d.%s", i, n)); ok {
-				return fail("attention biases")
-			}
+	for _, n := range []string{"attn_q.bias", "attn_k.bias", "attn_v.bias"} {
+		if _, ok := types[n]; ok {
+			return fail("attention biases")
 		}
 	}
-	if start == 0 {
-		t, _ := typ("token_embd.weight")
-		if !slices.Contains([]fsggml.TensorType{fsggml.TensorTypeF32, fsggml.TensorTypeF16, fsggml.TensorTypeQ4_0, fsggml.TensorTypeQ6_K}, fsggml.TensorType(t)) {
-			return fail("token embedding type %d", t)
+	for _, n := range []string{"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"} {
+		if _, err := only(n+".weight", fsggml.TensorTypeQ4_0); err != nil {
+			return s, err
 		}
-		s.embdType = t
 	}
-	if end == layers {
-		t, ok := typ("output.weight")
-		if !ok {
-			return fail("a tied output head")
+	for _, n := range []string{"attn_norm.weight", "ffn_norm.weight", "output_norm.weight"} {
+		if _, err := only(n, fsggml.TensorTypeF32); err != nil {
+			return s, err
 		}
-		if t != uint32(fsggml.TensorTypeQ4_0) && t != uint32(fsggml.TensorTypeQ6_K) {
-			return fail("output head type %d (Q4_0 or Q6_K only)", t)
-		}
-		if nt, _ := typ("output_norm.weight"); nt != uint32(fsggml.TensorTypeF32) {
-			return fail("output norm is not F32")
-		}
-		s.outType = t
 	}
+	et, err := only("token_embd.weight", fsggml.TensorTypeF32, fsggml.TensorTypeF16, fsggml.TensorTypeQ4_0, fsggml.TensorTypeQ6_K)
+	if err != nil {
+		return s, err
+	}
+	if _, ok := types["output.weight"]; !ok {
+		return fail("a tied output head")
+	}
+	ot, err := only("output.weight", fsggml.TensorTypeQ4_0, fsggml.TensorTypeQ6_K)
+	if err != nil {
+		return s, err
+	}
+	if ot == fsggml.TensorTypeQ6_K && s.embd%2048 != 0 {
+		// The kernel copies a row's Q6_K super-blocks (210 bytes) in 16-byte
+		// pieces, eight at a time.
+		return fail("a Q6_K output head needs an embedding size that is a multiple of 2048, not %d", s.embd)
+	}
+	s.embdType, s.outType = uint32(et), uint32(ot)
 	return s, nil
+}
+
+// modelTypes returns the tensor types of the whole model meta belongs to,
+// by kind (gguf.ModelTypes).
+func modelTypes(meta *gguf.File) (map[string][]fsggml.TensorType, error) {
+	if _, slice := meta.Get(gguf.KeySliceStart); slice {
+		if _, ok := meta.Get(gguf.KeySliceTypes); !ok {
+			return nil, errors.New("the slice was cut by an older meshnode and does not say what the whole model holds: remove it (the data folder's slices) to have it cut again")
+		}
+	}
+	out := map[string][]fsggml.TensorType{}
+	for _, e := range gguf.ModelTypes(meta) {
+		kind, num, ok := strings.Cut(e, "=")
+		t, err := strconv.ParseUint(num, 10, 32)
+		if !ok || err != nil {
+			return nil, fmt.Errorf("model type entry %q", e)
+		}
+		out[kind] = append(out[kind], fsggml.TensorType(t))
+	}
+	return out, nil
 }
 
 // causalView reads the bookkeeping of ollama's causal cache, which it does

@@ -14,7 +14,7 @@ import (
 // path's library, beside ggml's CUDA backend.
 const FusedLibrary = "libmeshnode-fused.so"
 
-func newFused(*Engine, *gguf.File, int, int, int, bool, ml.DType) (fusedPath, error) {
+func newFused(*Engine, *gguf.File, bool, ml.DType) (fusedPath, error) {
 	return nil, loadFusedLibrary()
 }
 

@@ -206,8 +206,8 @@ func (p *pinnedPool) close() {
 
 const fusedErrLen = 512
 
-func newFused(e *Engine, meta *gguf.File, start, end, layers int, flash bool, kv ml.DType) (fusedPath, error) {
-	shape, err := fusedEligible(meta, start, end, layers, flash, kv)
+func newFused(e *Engine, meta *gguf.File, flash bool, kv ml.DType) (fusedPath, error) {
+	shape, err := fusedEligible(meta, flash, kv)
 	if err != nil {
 		return nil, err
 	}

@@ -3,13 +3,18 @@ package ggufstage
 import (
 	"errors"
 	"fmt"
+	"path/filepath"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/ollama/ollama/kvcache"
+	"github.com/ollama/ollama/ml"
 	"github.com/ollama/ollama/model/input"
 
+	"github.com/meshnode/meshnode/ggufstage/gguf"
+	"github.com/meshnode/meshnode/ggufstage/synth"
 	"github.com/meshnode/meshnode/stage"
 )
 
@@ -91,4 +96,71 @@ func rangesOf(v *causalView) []string {
 	}
 	slices.Sort(out)
 	return out
+}
+
+// TestFusedEligibleAlike checks that every stage of a model makes the same
+// choice about the fused decode path as the whole model does. A split
+// whose stages chose differently would decode differently from the whole
+// model: on two H200s a 32B model's first stage ran fused while its last
+// stage, whose Q6_K head the kernels cannot take at n_embd 5120, ran
+// ggml, and greedy text drifted from the one-GPU run's.
+func TestFusedEligibleAlike(t *testing.T) {
+	base := synth.Spec{Arch: "llama", Layers: 3, Embd: 2048, Heads: 16, KVHeads: 4, FFN: 2048, Vocab: 512, Type: synth.Q4_0, Seed: 3}
+	tests := []struct {
+		name string
+		edit func(*synth.Spec)
+		why  string // "" = eligible
+	}{
+		{"Q4_0 with a Q6_K head", func(*synth.Spec) {}, ""},
+		{"Q6_K head at n_embd 1280", func(s *synth.Spec) { s.Embd, s.Heads, s.KVHeads = 1280, 10, 2 }, "multiple of 2048"},
+		{"tied head", func(s *synth.Spec) { s.Tied = true }, "tied output head"},
+		{"Q8_0 weights", func(s *synth.Spec) { s.Type = synth.Q8_0 }, "[Q4_0] only"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := base
+			tc.edit(&spec)
+			dir := t.TempDir()
+			src := filepath.Join(dir, "m.gguf")
+			if err := synth.Write(src, spec, nil); err != nil {
+				t.Fatal(err)
+			}
+			for _, r := range [][2]int{{0, 3}, {0, 1}, {1, 2}, {2, 3}, {1, 3}} {
+				path, err := Slice(src, dir, r[0], r[1], nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				meta, err := readHeader(path)
+				if err != nil {
+					t.Fatal(err)
+				}
+				_, err = fusedEligible(meta, true, ml.DTypeF16)
+				switch {
+				case tc.why == "" && err != nil:
+					t.Errorf("layers [%d,%d): %v", r[0], r[1], err)
+				case tc.why != "" && (err == nil || !strings.Contains(err.Error(), tc.why)):
+					t.Errorf("layers [%d,%d): got %v, want an error saying %q", r[0], r[1], err, tc.why)
+				}
+			}
+		})
+	}
+	t.Run("slice without the model's types", func(t *testing.T) {
+		dir := t.TempDir()
+		src := filepath.Join(dir, "m.gguf")
+		if err := synth.Write(src, base, nil); err != nil {
+			t.Fatal(err)
+		}
+		path, err := Slice(src, dir, 1, 2, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		meta, err := readHeader(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		meta.KVs = slices.DeleteFunc(meta.KVs, func(kv gguf.KV) bool { return kv.Key == gguf.KeySliceTypes })
+		if _, err := fusedEligible(meta, true, ml.DTypeF16); err == nil || !strings.Contains(err.Error(), "older meshnode") {
+			t.Errorf("got %v, want the slice refused as cut by an older meshnode", err)
+		}
+	})
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 )
 
@@ -109,8 +110,13 @@ func TestSliceRoundTrip(t *testing.T) {
 		if v, _ := s.Get(KeySliceEnd); v.V != uint32(tc.end) {
 			t.Errorf("slice end key %v", v.V)
 		}
-		if len(s.KVs) != len(f.KVs)+3 {
+		if len(s.KVs) != len(f.KVs)+4 {
 			t.Errorf("slice has %d KVs, source %d", len(s.KVs), len(f.KVs))
+		}
+		// The whole model's types, whatever the slice holds; a slice of
+		// the slice keeps them.
+		if got, want := ModelTypes(s), ModelTypes(f); !slices.Equal(got, want) || len(want) == 0 {
+			t.Errorf("[%d,%d): model types %v, want the source's %v", tc.start, tc.end, got, want)
 		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 )
 
@@ -12,7 +13,56 @@ const (
 	KeySliceStart  = "meshnode.slice.start"
 	KeySliceEnd    = "meshnode.slice.end"
 	KeySliceSource = "meshnode.slice.source_sha256"
+	// KeySliceTypes holds ModelTypes of the whole source model, so that a
+	// stage can make a choice that must be the same on every stage (a
+	// decode path whose rounding differs from ggml's, say) from what the
+	// whole model holds, not from its own part.
+	KeySliceTypes = "meshnode.slice.model_types"
 )
+
+// ModelTypes summarises the tensor types of a whole model: one
+// "kind=type" entry per kind of tensor and type it comes in, sorted, where
+// a kind is a tensor's name without its "blk.N." prefix and a type is a
+// ggml type number ("attn_q.weight=2", "output.weight=14"). A slice
+// returns the summary of its source, which it carries.
+func ModelTypes(f *File) []string {
+	if v, ok := f.Get(KeySliceTypes); ok {
+		if s, ok := v.V.([]string); ok {
+			return s
+		}
+	}
+	seen := map[string]bool{}
+	for _, t := range f.Tensors {
+		kind := t.Name
+		if rest, ok := strings.CutPrefix(kind, "blk."); ok {
+			if _, after, ok := strings.Cut(rest, "."); ok {
+				kind = after
+			}
+		}
+		seen[fmt.Sprintf("%s=%d", kind, t.Type)] = true
+	}
+	out := make([]string, 0, len(seen))
+	for k := range seen {
+		out = append(out, k)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// SliceKVs returns the metadata of a slice of f: f's own, and the slice
+// keys. WriteSlice writes it; a slice fetched by byte range must carry the
+// same, so that the two are the same bytes.
+func SliceKVs(f *File, start, end int, sourceHash string) []KV {
+	types := ModelTypes(f)
+	sl := &File{KVs: append([]KV(nil), f.KVs...)}
+	sl.Set(KeySliceStart, Value{Type: TypeUint32, V: uint32(start)})
+	sl.Set(KeySliceEnd, Value{Type: TypeUint32, V: uint32(end)})
+	if sourceHash != "" {
+		sl.Set(KeySliceSource, Value{Type: TypeString, V: sourceHash})
+	}
+	sl.Set(KeySliceTypes, Value{Type: TypeArray, ElemType: TypeString, V: types})
+	return sl.KVs
+}
 
 // Part is one tensor of a slice: where it comes from in the source file and
 // the name it is stored under in the slice.
@@ -98,12 +148,7 @@ func PartsSize(parts []Part) uint64 {
 // slice keys, reading tensor data from src (the source file, or anything
 // that serves its bytes). progress, if set, is called with bytes copied.
 func WriteSlice(dst io.WriterAt, f *File, src io.ReaderAt, parts []Part, start, end int, sourceHash string, progress func(done, total uint64)) error {
-	sl := &File{KVs: append([]KV(nil), f.KVs...), Alignment: f.Alignment}
-	sl.Set(KeySliceStart, Value{Type: TypeUint32, V: uint32(start)})
-	sl.Set(KeySliceEnd, Value{Type: TypeUint32, V: uint32(end)})
-	if sourceHash != "" {
-		sl.Set(KeySliceSource, Value{Type: TypeString, V: sourceHash})
-	}
+	sl := &File{KVs: SliceKVs(f, start, end, sourceHash), Alignment: f.Alignment}
 	infos := make([]TensorInfo, len(parts))
 	for i, p := range parts {
 		infos[i] = TensorInfo{Name: p.Name, Shape: p.Src.Shape, Type: p.Src.Type}

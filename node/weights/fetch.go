@@ -349,16 +349,13 @@ func (r *prefixReader) ReadAt(p []byte, off int64) (int, error) {
 // gguf.WriteSlice does, so that a fetched slice and one cut locally are
 // the same bytes (a test holds the two together).
 func (fs *fetch) layout(id string, start, end int) ([]byte, error) {
-	sl := &gguf.File{KVs: append([]gguf.KV(nil), fs.f.KVs...)}
-	sl.Set(gguf.KeySliceStart, gguf.Value{Type: gguf.TypeUint32, V: uint32(start)})
-	sl.Set(gguf.KeySliceEnd, gguf.Value{Type: gguf.TypeUint32, V: uint32(end)})
-	sl.Set(gguf.KeySliceSource, gguf.Value{Type: gguf.TypeString, V: id})
+	kvs := gguf.SliceKVs(fs.f, start, end, id)
 	fs.infos = make([]gguf.TensorInfo, len(fs.parts))
 	for i, p := range fs.parts {
 		fs.infos[i] = gguf.TensorInfo{Name: p.Name, Shape: p.Src.Shape, Type: p.Src.Type}
 	}
 	var hb bytes.Buffer
-	off, err := gguf.Write(&hb, sl.KVs, fs.infos, fs.f.Alignment)
+	off, err := gguf.Write(&hb, kvs, fs.infos, fs.f.Alignment)
 	if err != nil {
 		return nil, fmt.Errorf("writing slice header: %w", err)
 	}
