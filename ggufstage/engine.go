@@ -336,7 +336,7 @@ func Open(path string, start, end int, opts Options) (e *Engine, err error) {
 		case opts.FusedDecode == On:
 			return nil, fmt.Errorf("loading %s: %w", path, err)
 		default:
-			e.fusedWhy = err.Error()
+			e.fusedWhy = strings.TrimPrefix(err.Error(), errFusedUnavailable.Error()+": ")
 		}
 	case opts.FusedDecode == On:
 		return nil, fmt.Errorf("loading %s: %w: it runs on CUDA devices only", path, errFusedUnavailable)

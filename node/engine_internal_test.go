@@ -11,6 +11,7 @@ import (
 	"github.com/meshnode/meshnode/mlxstage"
 	"github.com/meshnode/meshnode/node/membership"
 	"github.com/meshnode/meshnode/node/planner"
+	"github.com/meshnode/meshnode/stage"
 )
 
 // TestEngineRouting: which members the planner gives a model's layers to,
@@ -137,3 +138,46 @@ func TestEnginesAdvertised(t *testing.T) {
 		})
 	}
 }
+
+// fusingEngine is an engine that reports a fused decode path.
+type fusingEngine struct {
+	stage.Engine // nil: only Info and Fused are called
+	on           bool
+	why          string
+}
+
+func (f fusingEngine) Info() stage.Info {
+	return stage.Info{Start: 0, End: 2, Layers: 4, Context: 8, MaxSeqs: 1}
+}
+func (f fusingEngine) WeightBytes() uint64          { return 0 }
+func (f fusingEngine) Fused() (on bool, why string) { return f.on, f.why }
+
+// TestStageStatsDecodePath: a stage's stats say whether it decodes through
+// fused kernels, and why not where it could have; an engine with no such
+// choice says nothing.
+func TestStageStatsDecodePath(t *testing.T) {
+	tests := []struct {
+		name      string
+		e         stage.Engine
+		path, why string
+	}{
+		{"fused", fusingEngine{on: true}, "fused", ""},
+		{"refused", fusingEngine{why: "a tied output head"}, "ggml", "a tied output head"},
+		{"not asked (a CPU)", fusingEngine{}, "", ""},
+		{"no choice", plainEngine{}, "", ""},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := (&observer{}).wrapEngine(tc.e, stage.Memory{}).stats()
+			if s.DecodePath != tc.path || s.DecodeWhy != tc.why {
+				t.Errorf("decode path %q (%q), want %q (%q)", s.DecodePath, s.DecodeWhy, tc.path, tc.why)
+			}
+		})
+	}
+}
+
+// plainEngine has no fused path to report.
+type plainEngine struct{ stage.Engine }
+
+func (plainEngine) Info() stage.Info    { return stage.Info{Start: 0, End: 2, Layers: 4} }
+func (plainEngine) WeightBytes() uint64 { return 0 }

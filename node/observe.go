@@ -183,6 +183,9 @@ type observedEngine struct {
 // phased is an engine that says where its passes spend their time.
 type phased interface{ Phases() ggufstage.Phases }
 
+// fusing is an engine that may decode through fused kernels (ggufstage's).
+type fusing interface{ Fused() (on bool, why string) }
+
 func (o *observer) wrapEngine(e stage.Engine, mem stage.Memory) *observedEngine {
 	info := e.Info()
 	return &observedEngine{
@@ -264,6 +267,14 @@ func (e *observedEngine) stats() *admin.StageStats {
 		KVBytes: e.mem.KVPerToken * uint64(e.reserve), KVUsedBytes: e.mem.KVPerToken * uint64(tokens),
 	}
 	s.MemUsed = s.WeightBytes + s.KVBytes + e.mem.Compute
+	if f, ok := e.Engine.(fusing); ok {
+		switch on, why := f.Fused(); {
+		case on:
+			s.DecodePath = "fused"
+		case why != "":
+			s.DecodePath, s.DecodeWhy = "ggml", why
+		}
+	}
 	return s
 }
 

@@ -452,6 +452,9 @@ func renderStatus(w io.Writer, url string, st *admin.Status, color bool) {
 		if n.Backend != "" {
 			engine += "/" + n.Backend
 		}
+		if n.Stats != nil && n.Stats.Stage != nil && n.Stats.Stage.DecodePath == "fused" {
+			engine += " fused"
+		}
 		rows = append(rows, []string{id, orDash(n.Name), state, orDash(engine), mem, orDash(strings.Join(layers, " ")), tps, queue, hop, addr})
 		colors = append(colors, stateColor(n.State))
 	}
@@ -484,6 +487,13 @@ func renderStatus(w io.Writer, url string, st *admin.Status, color bool) {
 			}
 		}
 		fmt.Fprintln(w, strings.TrimRight(b.String(), " "))
+	}
+	// A GPU node that could decode through meshnode's fused kernels and
+	// does not is several times slower at one stream: say why.
+	for _, n := range st.Nodes {
+		if n.Stats != nil && n.Stats.Stage != nil && n.Stats.Stage.DecodeWhy != "" {
+			fmt.Fprintf(w, "\n%s decodes on ggml, not meshnode's fused kernels: %s\n", label(n.PeerID), n.Stats.Stage.DecodeWhy)
+		}
 	}
 }
 

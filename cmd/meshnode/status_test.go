@@ -569,3 +569,42 @@ func TestRenderPipelined(t *testing.T) {
 		}
 	}
 }
+
+// TestRenderDecodePath: a GPU node decoding through the fused kernels says
+// so in its engine cell; one that could not says why under the table.
+func TestRenderDecodePath(t *testing.T) {
+	stats := func(path, why string) *admin.NodeStats {
+		return &admin.NodeStats{Stage: &admin.StageStats{Start: 0, End: 3, DecodePath: path, DecodeWhy: why}}
+	}
+	st := &admin.Status{Schema: admin.SchemaVersion, Self: "peerA", Ready: true,
+		Plan: []admin.Stage{{Node: "peerA", Start: 0, End: 3, Up: true}, {Node: "peerB", Start: 3, End: 5, Up: true}},
+		Nodes: []admin.Node{
+			{PeerID: "peerA", ShortID: "peerA", Name: "a", Self: true, State: admin.StateReady, Engine: "ggml", Backend: "CUDA", Stats: stats("fused", "")},
+			{PeerID: "peerB", ShortID: "peerB", Name: "b", State: admin.StateReady, Engine: "ggml", Backend: "CUDA",
+				Stats: stats("ggml", "a tied output head")},
+			{PeerID: "peerC", ShortID: "peerC", Name: "c", State: admin.StateReady, Engine: "ggml", Backend: "CPU", Stats: stats("", "")},
+		}}
+	var b strings.Builder
+	renderStatus(&b, "http://127.0.0.1:8080", st, false)
+	out := b.String()
+	row := func(peer string) string {
+		for _, l := range strings.Split(out, "\n") {
+			if f := strings.Fields(l); len(f) > 1 && strings.Contains(f[0], peer) {
+				return l
+			}
+		}
+		return ""
+	}
+	if r := row("peerA"); !strings.Contains(r, "ggml/CUDA fused") {
+		t.Errorf("node a's row %q does not say it decodes fused:\n%s", r, out)
+	}
+	if r := row("peerB"); strings.Contains(r, "fused") || !strings.Contains(r, "ggml/CUDA") {
+		t.Errorf("node b's row %q", r)
+	}
+	if !strings.Contains(out, "b decodes on ggml, not meshnode's fused kernels: a tied output head") {
+		t.Errorf("no note on why b does not decode fused:\n%s", out)
+	}
+	if strings.Count(out, "decodes on ggml") != 1 {
+		t.Errorf("notes for nodes with nothing to say:\n%s", out)
+	}
+}

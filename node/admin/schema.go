@@ -178,6 +178,11 @@ type StageStats struct {
 	KVTokens        int     `json:"kv_tokens"`     // cached positions, all sequences
 	KVCapacity      int     `json:"kv_capacity"`   // positions the cache holds
 	MemUsed         uint64  `json:"mem_used"`      // weights + KV reserved + scratch
+	// DecodePath is how one-row decode passes run where there is a
+	// choice (an NVIDIA GPU): "fused" (meshnode's CUDA kernels) or "ggml";
+	// DecodeWhy says why not fused. Empty where there is no choice.
+	DecodePath string `json:"decode_path,omitempty"`
+	DecodeWhy  string `json:"decode_why,omitempty"`
 }
 
 // Local is the stage the answering node holds.
