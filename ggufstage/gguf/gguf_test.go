@@ -180,3 +180,31 @@ func FuzzRead(f *testing.F) {
 		}
 	})
 }
+
+func TestModelTypes(t *testing.T) {
+	tensor := func(name string, typ uint32) TensorInfo { return TensorInfo{Name: name, Type: typ} }
+	tests := []struct {
+		name string
+		f    *File
+		want []string
+	}{
+		{"layers fold into one kind", &File{Tensors: []TensorInfo{
+			tensor("token_embd.weight", 2), tensor("blk.0.attn_q.weight", 2), tensor("blk.11.attn_q.weight", 2),
+			tensor("blk.0.attn_norm.weight", 0), tensor("output.weight", 14),
+		}}, []string{"attn_norm.weight=0", "attn_q.weight=2", "output.weight=14", "token_embd.weight=2"}},
+		{"a kind in two types lists both", &File{Tensors: []TensorInfo{
+			tensor("blk.0.ffn_down.weight", 14), tensor("blk.1.ffn_down.weight", 12), tensor("blk.2.ffn_down.weight", 12),
+		}}, []string{"ffn_down.weight=12", "ffn_down.weight=14"}},
+		{"a slice answers for its source", &File{
+			KVs:     []KV{{Key: KeySliceTypes, Value: Value{Type: TypeArray, ElemType: TypeString, V: []string{"attn_q.weight=8"}}}},
+			Tensors: []TensorInfo{tensor("blk.3.attn_q.weight", 2)},
+		}, []string{"attn_q.weight=8"}},
+		{"odd names stay whole", &File{Tensors: []TensorInfo{tensor("blk.rope", 0), tensor("rope_freqs.weight", 0)}},
+			[]string{"blk.rope=0", "rope_freqs.weight=0"}},
+	}
+	for _, tc := range tests {
+		if got := ModelTypes(tc.f); !slices.Equal(got, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
