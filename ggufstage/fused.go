@@ -247,33 +247,22 @@ func (v *causalView) layerKV(i int) (k, val ml.Tensor) {
 }
 
 // seqCells returns the cells seq (a cache slot) holds at positions before
-// pos, and the cell of pos itself, which StartForward has just handed out.
-func (v *causalView) seqCells(seq int, pos int32, into []int32) (earlier []int32, loc int, err error) {
-	r := v.c.FieldByName("cellRanges").MapIndex(reflect.ValueOf(seq))
+// pos: the ones a decode step at pos attends to besides its own.
+func (v *causalView) seqCells(seq int, pos int32, into []int32) (earlier []int32, err error) {
+	r := v.ranges.MapIndex(reflect.ValueOf(seq))
 	if !r.IsValid() {
-		return nil, 0, fmt.Errorf("cache slot %d holds no cells", seq)
+		return nil, fmt.Errorf("cache slot %d holds no cells", seq)
 	}
 	lo, hi := int(r.Field(0).Int()), int(r.Field(1).Int())
 	cells := *v.cells
 	if lo < 0 || hi >= len(cells) || lo > hi {
-		return nil, 0, fmt.Errorf("cache slot %d has cell range [%d,%d] outside %d cells", seq, lo, hi, len(cells))
+		return nil, fmt.Errorf("cache slot %d has cell range [%d,%d] outside %d cells", seq, lo, hi, len(cells))
 	}
-	loc = -1
 	earlier = into[:0]
 	for i := lo; i <= hi; i++ {
-		c := &cells[i]
-		if !slices.Contains(c.sequences, seq) {
-			continue
-		}
-		switch {
-		case c.pos < pos:
+		if c := &cells[i]; c.pos < pos && slices.Contains(c.sequences, seq) {
 			earlier = append(earlier, int32(i))
-		case c.pos == pos:
-			loc = i
 		}
 	}
-	if loc < 0 {
-		return nil, 0, fmt.Errorf("cache slot %d has no cell for position %d", seq, pos)
-	}
-	return earlier, loc, nil
+	return earlier, nil
 }

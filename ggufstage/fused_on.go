@@ -334,10 +334,11 @@ func (f *cudaFused) step(b *stage.Batch, slot int, hidden []float32) (*stage.Out
 	}
 	start := time.Now()
 	pos := b.Pos[0]
-	if _, err := f.view.place(slot, pos); err != nil {
+	loc, err := f.view.place(slot, pos)
+	if err != nil {
 		return nil, true, fmt.Errorf("placing batch in the KV cache: %w", err)
 	}
-	earlier, loc, err := f.view.seqCells(slot, pos, f.cells)
+	earlier, err := f.view.seqCells(slot, pos, f.cells)
 	if err != nil {
 		_ = e.cache.Remove(slot, pos, math.MaxInt32)
 		return nil, true, fmt.Errorf("fused decode: %w", err)

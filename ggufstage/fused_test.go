@@ -84,6 +84,17 @@ func TestCausalViewPlace(t *testing.T) {
 		if ra, rb := rangesOf(va), rangesOf(vb); !slices.Equal(ra, rb) {
 			t.Fatalf("step %d (seq %d, pos %d): cell ranges differ:\nStartForward %v\nplace        %v", step, seq, pos, ra, rb)
 		}
+		// The cells the step attends to besides its own: those of its
+		// sequence before pos, as the reference cache holds them.
+		var want []int32
+		for i, c := range *va.cells {
+			if c.pos < pos && slices.Contains(c.sequences, a.slots[seq]) {
+				want = append(want, int32(i))
+			}
+		}
+		if got, err := vb.seqCells(b.slots[seq], pos, nil); err != nil || !slices.Equal(got, want) {
+			t.Fatalf("step %d (seq %d, pos %d): earlier cells %v (%v), want %v", step, seq, pos, got, err, want)
+		}
 	}
 }
 
