@@ -137,15 +137,8 @@ func TestFusedEligibleAlike(t *testing.T) {
 				t.Fatal(err)
 			}
 			for _, r := range [][2]int{{0, 3}, {0, 1}, {1, 2}, {2, 3}, {1, 3}} {
-				path, err := Slice(src, dir, r[0], r[1], nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				meta, err := readHeader(path)
-				if err != nil {
-					t.Fatal(err)
-				}
-				_, err = fusedEligible(meta, true, ml.DTypeF16)
+				_, meta := sliceHeader(t, src, dir, r[0], r[1])
+				_, err := fusedEligible(meta, true, ml.DTypeF16)
 				switch {
 				case tc.why == "" && err != nil:
 					t.Errorf("layers [%d,%d): %v", r[0], r[1], err)
@@ -161,17 +154,25 @@ func TestFusedEligibleAlike(t *testing.T) {
 		if err := synth.Write(src, base, nil); err != nil {
 			t.Fatal(err)
 		}
-		path, err := Slice(src, dir, 1, 2, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		meta, err := readHeader(path)
-		if err != nil {
-			t.Fatal(err)
-		}
+		_, meta := sliceHeader(t, src, dir, 1, 2)
 		meta.KVs = slices.DeleteFunc(meta.KVs, func(kv gguf.KV) bool { return kv.Key == gguf.KeySliceTypes })
 		if _, err := fusedEligible(meta, true, ml.DTypeF16); err == nil || !strings.Contains(err.Error(), "older meshnode") {
 			t.Errorf("got %v, want the slice refused as cut by an older meshnode", err)
 		}
 	})
+}
+
+// sliceHeader cuts layers [start,end) of src into dir and reads the
+// slice's header back.
+func sliceHeader(t *testing.T, src, dir string, start, end int) (string, *gguf.File) {
+	t.Helper()
+	path, err := Slice(src, dir, start, end, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	meta, err := readHeader(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return path, meta
 }

@@ -302,14 +302,7 @@ func TestSynthWeightBytes(t *testing.T) {
 			_, untied := srcMeta.Tensor("output.weight")
 			dir := t.TempDir()
 			for _, r := range [][2]int{{0, 1}, {1, 3}, {0, 2}, {2, 3}, {1, 2}} {
-				path, err := Slice(src, dir, r[0], r[1], nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				meta, err := readHeader(path)
-				if err != nil {
-					t.Fatal(err)
-				}
+				path, meta := sliceHeader(t, src, dir, r[0], r[1])
 				var own uint64
 				for i := range meta.Tensors {
 					own += meta.Tensors[i].Size()
