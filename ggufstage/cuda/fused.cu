@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdarg>
@@ -30,7 +31,8 @@ namespace {
 // against 138 us).
 constexpr int kThreads = 256, kWideThreads = 512; // kThreads: the narrow shape
 template <int THREADS> constexpr int blocksOf() { return 512 / THREADS; }
-// Attention: kSplits blocks per head share a sequence's cells.
+// Attention: up to kSplits blocks per head share a sequence's cells,
+// kCellsPerSplit (MESHNODE_FUSED_ATTN_CELLS) or more each.
 constexpr int kSplits = 32;
 constexpr int kU = 8; // cells a warp loads at once
 constexpr int kCellsPerSplit = 64;
@@ -430,6 +432,8 @@ struct AttnArgs {
 	float *part; // [n_head][kSplits][hd+2]
 	int *counter;
 	int nHead, nKV;
+	int cellsPerSplit; // cells a block takes, until maxSplits blocks share a head
+	int maxSplits;     // at most kSplits: by default as many as let all heads run at once
 	float ropeBase, freqScale, scale;
 };
 
@@ -453,7 +457,7 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	const int *cells = a.params + kParams;
 	// Only as many splits as the cells need: each costs a partial result
 	// and a share of the merge.
-	const int active = min(kSplits, max(1, (n + kCellsPerSplit - 1) / kCellsPerSplit));
+	const int active = min(a.maxSplits, max(1, (n + a.cellsPerSplit - 1) / a.cellsPerSplit));
 	if (s >= active) return;
 	const int warp = tid >> 5, lane = tid & 31;
 	// kU cells per warp at a time: their loads are in flight together.
@@ -470,13 +474,14 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	};
 	const int jFirst = j0 + warp * kU;
 	if (jFirst < j1) load(jFirst);
+	// The rotation depends on the position alone: worked out before the
+	// wait too.
+	float sn = 0.f, cs = 0.f;
+	if (tid < HD / 2) sincosf((float)pos * a.freqScale * powf(a.ropeBase, -2.f * (float)tid / (float)HD), &sn, &cs);
 	pdlWait();
 
 	if (tid < HD / 2) {
 		const int i = tid;
-		const float theta = (float)pos * a.freqScale * powf(a.ropeBase, -2.f * (float)i / (float)HD);
-		float sn, cs;
-		sincosf(theta, &sn, &cs);
 		const float *qh = a.qkv + h * HD;
 		const float *kh = a.qkv + a.nHead * HD + g * HD;
 		const float *vh = a.qkv + (a.nHead + a.nKV) * HD + g * HD;
@@ -576,19 +581,37 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	__syncthreads();
 	if (!last) return;
 	__threadfence();
+	// The merge, in two rounds of loads that are all in flight together:
+	// a loop over the splits that waited for each one's (L2) load before
+	// the next cost 0.3 us a split (run 53).
+	const float *all = a.part + (size_t)h * kSplits * (HD + 2);
+	float *wsplit = &wacc[0][0]; // each split's weight; the warps' sums are read
+	if (warp == 0) {
+		const float mi = lane < active ? __ldcg(all + lane * (HD + 2)) : -INFINITY;
+		const float li = lane < active ? __ldcg(all + lane * (HD + 2) + 1) : 0.f;
+		float M = mi;
+		for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+		const float c = mi == -INFINITY ? 0.f : __expf(mi - M);
+		const float L = warpSum(li * c);
+		if (lane < kSplits) wsplit[lane] = c / L;
+	}
+	__syncthreads();
+	// Thread t sums output t % HD over the splits s = t / HD, t / HD + q, ...
+	constexpr int kQ = kAttnThreads / HD;
+	float *sums = wsplit + kSplits;
+	{
+		const int d = tid % HD, s0 = tid / HD;
+		float A = 0.f;
+#pragma unroll 4
+		for (int i = s0; i < active; i += kQ) A += __ldcg(all + i * (HD + 2) + 2 + d) * wsplit[i];
+		sums[tid] = A;
+	}
+	__syncthreads();
 	if (tid < HD) {
-		const float *all = a.part + (size_t)h * kSplits * (HD + 2);
-		float M = -INFINITY;
-		for (int i = 0; i < active; i++) M = fmaxf(M, __ldcg(all + i * (HD + 2)));
-		float L = 0.f, A = 0.f;
-		for (int i = 0; i < active; i++) {
-			const float mi = __ldcg(all + i * (HD + 2));
-			if (mi == -INFINITY) continue;
-			const float c = __expf(mi - M);
-			L += __ldcg(all + i * (HD + 2) + 1) * c;
-			A += __ldcg(all + i * (HD + 2) + 2 + tid) * c;
-		}
-		a.out[h * HD + tid] = A / L;
+		float A = 0.f;
+#pragma unroll
+		for (int i = 0; i < kQ; i++) A += sums[i * HD + tid];
+		a.out[h * HD + tid] = A;
 	}
 	if (tid == 0) a.counter[h] = 0;
 }
@@ -638,6 +661,14 @@ struct mf_engine {
 	int pdl = 1;
 	int smemSM = 0; // shared memory per multiprocessor
 	int late = 1;   // GemvArgs.late, from MESHNODE_FUSED_LATE (run 47: 1.5 us a layer)
+	int attnCells = kCellsPerSplit; // AttnArgs.cellsPerSplit, from MESHNODE_FUSED_ATTN_CELLS
+	// AttnArgs.maxSplits: splits per head that let every head's blocks run
+	// in one wave (MESHNODE_FUSED_ATTN_WAVES=0: kSplits). Run 54, 576
+	// cells: 9 splits of 64 cells (two waves) took 9.1 us, 6 of 96 6.7.
+	int attnSplits = kSplits;
+	// The mat-vecs' block shape, from MESHNODE_FUSED_THREADS: 0 the mix of
+	// gemvShape, else every mat-vec in blocks of 256 or 512 threads.
+	int threads = 0;
 	// MESHNODE_FUSED_TIMING=N: every N steps, print how long the graph ran
 	// on the GPU against how long mf_step took, to tell GPU time from
 	// waiting (for a GPU shared with other processes, say).
@@ -666,7 +697,7 @@ void launch(mf_engine *e, void (*kernel)(Args), dim3 grid, int threads, size_t s
 }
 
 // The kernel's shape for a matrix of k columns.
-void gemvShape(GemvArgs &a, int type, int k, int epi) {
+void gemvShape(GemvArgs &a, int type, int k, int epi, int threads) {
 	a.type = type;
 	a.k = k;
 	a.rowBytes = (int)rowBytes(type, k);
@@ -680,6 +711,7 @@ void gemvShape(GemvArgs &a, int type, int k, int epi) {
 	a.stageBytes = a.rpp * a.group * a.sbBytes;
 	a.epi = epi;
 	a.threads = type == MF_Q6_K || k > 8192 ? kWideThreads : kThreads;
+	if (threads && type == MF_Q4_0) a.threads = threads; // the Q6_K head has only the wide kernel
 }
 
 size_t gemvSmem(const GemvArgs &a) {
@@ -715,7 +747,7 @@ void launchGemv(mf_engine *e, const void *w0, const void *w1, const void *w2, in
 	a.rows[0] = r0, a.rows[1] = r1, a.rows[2] = r2;
 	a.nmat = w2 ? 3 : (w1 ? 2 : 1);
 	a.total = r0 + r1 + r2;
-	gemvShape(a, type, k, epi);
+	gemvShape(a, type, k, epi, e->threads);
 	a.x = x, a.norm = norm, a.eps = e->c.eps, a.y = y;
 	placeNorm(a, e->smemSM);
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
@@ -732,6 +764,7 @@ void launchAttention(mf_engine *e, const mf_layer &L) {
 	AttnArgs a{};
 	a.qkv = e->qkv, a.kc = (__half *)L.k, a.vc = (__half *)L.v, a.params = e->params, a.out = e->att;
 	a.part = e->part, a.counter = e->counter, a.nHead = e->c.n_head, a.nKV = e->c.n_kv_head;
+	a.cellsPerSplit = e->attnCells, a.maxSplits = e->attnSplits;
 	a.ropeBase = e->c.rope_base, a.freqScale = e->c.rope_freq_scale;
 	a.scale = 1.f / sqrtf((float)e->c.head_dim);
 	dim3 grid(e->c.n_head, kSplits);
@@ -806,6 +839,8 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	if (const char *v = getenv("MESHNODE_FUSED_PDL")) e->pdl = atoi(v) != 0;
 	if (const char *v = getenv("MESHNODE_FUSED_LATE")) e->late = atoi(v) != 0;
 	if (const char *v = getenv("MESHNODE_FUSED_TIMING")) e->timing = atoi(v) > 0 ? atoi(v) : 0;
+	if (const char *v = getenv("MESHNODE_FUSED_ATTN_CELLS")) e->attnCells = atoi(v) >= 1 ? atoi(v) : kCellsPerSplit;
+	if (const char *v = getenv("MESHNODE_FUSED_THREADS")) e->threads = atoi(v) == kThreads || atoi(v) == kWideThreads ? atoi(v) : 0;
 	e->first = cfg->tok_embd != nullptr;
 	e->last = cfg->output != nullptr;
 	e->layers = new (std::nothrow) mf_layer[cfg->n_layer];
@@ -837,14 +872,14 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	size_t need = 0;
 	for (int k : {c.embd, c.ffn, qd}) {
 		GemvArgs a{};
-		gemvShape(a, MF_Q4_0, k, kSwiGLU);
+		gemvShape(a, MF_Q4_0, k, kSwiGLU, e->threads);
 		a.norm = c.layers[0].ffn_norm ? (const float *)c.layers[0].ffn_norm : nullptr; // sizes with a norm
 		placeNorm(a, e->smemSM);
 		need = need > gemvSmem(a) ? need : gemvSmem(a);
 	}
 	if (e->last) {
 		GemvArgs a{};
-		gemvShape(a, c.out_type, c.embd, kStore);
+		gemvShape(a, c.out_type, c.embd, kStore, e->threads);
 		a.norm = (const float *)c.out_norm;
 		placeNorm(a, e->smemSM);
 		need = need > gemvSmem(a) ? need : gemvSmem(a);
@@ -856,6 +891,13 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
 	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kWideThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
 	CE(cudaFuncSetAttribute(gemv<MF_Q6_K, kWideThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
+	{
+		int perSM = 0;
+		CE(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSM, c.head_dim == 128 ? attention<128> : attention<64>, kAttnThreads, 0));
+		int waves = 1;
+		if (const char *v = getenv("MESHNODE_FUSED_ATTN_WAVES")) waves = atoi(v);
+		if (waves > 0) e->attnSplits = std::max(1, std::min(kSplits, waves * perSM * e->sms / c.n_head));
+	}
 	CE(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
 	CE(cudaMalloc(&e->x, sizeof(float) * c.embd));
 	CE(cudaMalloc(&e->qkv, sizeof(float) * (qd + 2 * kvd)));

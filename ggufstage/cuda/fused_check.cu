@@ -1,9 +1,11 @@
 // Checks and times the fused decode path on random weights, without ggml:
 //
-//   fused_check check   one decode step of two small models (head sizes 128
-//                       and 64) against a float64 reference on the host that
-//                       quantizes activations as the kernels do; a split
-//                       into two stages must give the same bits.
+//   fused_check check   one decode step of five small models (head sizes 128
+//                       and 64, one to eight query heads per KV head, the
+//                       cache in one split or several) against a float64
+//                       reference on the host that quantizes activations as
+//                       the kernels do; a split into two stages must give
+//                       the same bits.
 //   fused_check bench   an 8B-class llama (Q4_0, Q6_K head): copy bandwidth,
 //                       each mat-vec's bandwidth, and whole decode steps
 //                       against the floor of model bytes ÷ copy bandwidth.
@@ -289,14 +291,14 @@ static void step(mf_engine *e, int tok, const float *hidden, int pos, int loc, c
 	}
 }
 
-static int check(int nHead, int nKV, int hd) {
+static int check(int nHead, int nKV, int hd, int n) {
 	const int embd = 2048, ffn = 5632, vocab = 3000, cells = 256, nLayer = 2;
 	Model m = makeModel(nLayer, embd, nHead, nKV, hd, ffn, vocab, cells);
 	DeviceModel d = uploadModel(m);
 	std::vector<int> perm(cells);
 	for (int i = 0; i < cells; i++) perm[i] = i;
 	std::shuffle(perm.begin(), perm.end(), rng);
-	const int n = 100, pos = 100, loc = perm[n], tok = 1234;
+	const int pos = n, loc = perm[n], tok = 1234;
 	std::vector<int> used(perm.begin(), perm.begin() + n);
 
 	mf_engine *whole = create(configOf(m, d, 0, nLayer));
@@ -338,8 +340,8 @@ static int check(int nHead, int nKV, int hd) {
 	}
 	const double rel = std::sqrt(num / den);
 	const bool ok = nan == 0 && rel < 2e-3 && argRef == argGot && bitsDiffer == 0 && cacheErr < 2e-2;
-	printf("check heads %d/%d of %d: logits rel err %.2e (max abs %.2e), argmax %d vs %d, split differs in %d, cache err %.1e, nonfinite %d: %s\n",
-	       nHead, nKV, hd, rel, worst, argGot, argRef, bitsDiffer, cacheErr, nan, ok ? "ok" : "FAIL");
+	printf("check heads %d/%d of %d, %d cells: logits rel err %.2e (max abs %.2e), argmax %d vs %d, split differs in %d, cache err %.1e, nonfinite %d: %s\n",
+	       nHead, nKV, hd, n, rel, worst, argGot, argRef, bitsDiffer, cacheErr, nan, ok ? "ok" : "FAIL");
 	mf_destroy(whole), mf_destroy(a), mf_destroy(b);
 	return ok ? 0 : 1;
 }
@@ -478,8 +480,13 @@ int main(int argc, char **argv) {
 	const char *what = argc > 1 ? argv[1] : "check";
 	int bad = 0;
 	if (!strcmp(what, "check") || !strcmp(what, "all")) {
-		bad |= check(16, 4, 128);
-		bad |= check(32, 8, 64);
+		// Query heads per KV head 4, 4, 5, 1, 8; one split of the cache and
+		// several (see AttnArgs.cellsPerSplit).
+		bad |= check(16, 4, 128, 100);
+		bad |= check(32, 8, 64, 100);
+		bad |= check(20, 4, 128, 200);
+		bad |= check(8, 8, 64, 20);
+		bad |= check(16, 2, 128, 150);
 	}
 	if (!strcmp(what, "bench") || !strcmp(what, "all")) bad |= bench();
 	return bad;
