@@ -136,10 +136,10 @@ func fusedEligible(meta *gguf.File, flash bool, kv ml.DType) (fusedShape, error)
 	if err != nil {
 		return s, err
 	}
-	if ot == fsggml.TensorTypeQ6_K && s.embd%2048 != 0 {
-		// The kernel copies a row's Q6_K super-blocks (210 bytes) in 16-byte
-		// pieces, eight at a time.
-		return fail("a Q6_K output head needs an embedding size that is a multiple of 2048, not %d", s.embd)
+	if ot == fsggml.TensorTypeQ6_K && s.embd%512 != 0 {
+		// The kernel copies a row's Q6_K super-blocks (210 bytes) to shared
+		// memory in pieces of 16, 8 or 4 bytes: an even number of them.
+		return fail("a Q6_K output head needs an embedding size that is a multiple of 512, not %d", s.embd)
 	}
 	s.embdType, s.outType = uint32(et), uint32(ot)
 	return s, nil

@@ -113,8 +113,8 @@ func rangesOf(v *causalView) []string {
 // choice about the fused decode path as the whole model does. A split
 // whose stages chose differently would decode differently from the whole
 // model: on two H200s a 32B model's first stage ran fused while its last
-// stage, whose Q6_K head the kernels cannot take at n_embd 5120, ran
-// ggml, and greedy text drifted from the one-GPU run's.
+// stage, whose Q6_K head the kernels could not take at n_embd 5120 then,
+// ran ggml, and greedy text drifted from the one-GPU run's.
 func TestFusedEligibleAlike(t *testing.T) {
 	base := synth.Spec{Arch: "llama", Layers: 3, Embd: 2048, Heads: 16, KVHeads: 4, FFN: 2048, Vocab: 512, Type: synth.Q4_0, Seed: 3}
 	tests := []struct {
@@ -123,7 +123,8 @@ func TestFusedEligibleAlike(t *testing.T) {
 		why  string // "" = eligible
 	}{
 		{"Q4_0 with a Q6_K head", func(*synth.Spec) {}, ""},
-		{"Q6_K head at n_embd 1280", func(s *synth.Spec) { s.Embd, s.Heads, s.KVHeads = 1280, 10, 2 }, "multiple of 2048"},
+		{"Q6_K head at n_embd 2560", func(s *synth.Spec) { s.Embd, s.Heads, s.KVHeads = 2560, 20, 4 }, ""},
+		{"Q6_K head at n_embd 1280", func(s *synth.Spec) { s.Embd, s.Heads, s.KVHeads = 1280, 10, 2 }, "multiple of 512"},
 		{"tied head", func(s *synth.Spec) { s.Tied = true }, "tied output head"},
 		{"Q8_0 weights", func(s *synth.Spec) { s.Type = synth.Q8_0 }, "[Q4_0] only"},
 	}

@@ -144,15 +144,32 @@ func TestGPUBandwidth(t *testing.T) {
 // sets that both quantize activations to int8 blocks give the scale of
 // honest rounding differences), and the fused path split over two stages
 // must give the same bits as one stage. It needs the fused library beside
-// ggml's CUDA backend (deploy/gpu/build-cuda.sh builds both).
+// ggml's CUDA backend (deploy/gpu/build-cuda.sh builds both). The shapes
+// take the Q6_K head's rows in pieces of 16, 8 and 4 bytes (copyWidth in
+// cuda/fused.cu) and have four, three and five query heads per KV head.
 func TestGPUFusedDecode(t *testing.T) {
 	needGPU(t)
 	if err := loadFusedLibrary(); err != nil {
 		t.Skip(err)
 	}
+	tests := []struct {
+		name                      string
+		embd, heads, kvHeads, ffn int
+	}{
+		{"n_embd 2048", 2048, 16, 4, 5632},
+		{"n_embd 3072", 3072, 24, 8, 8192},
+		{"n_embd 2560", 2560, 20, 4, 6912},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			testFusedDecode(t, synth.Spec{Arch: "llama", Layers: 4, Embd: tc.embd, Heads: tc.heads, KVHeads: tc.kvHeads,
+				FFN: tc.ffn, Vocab: 2048, Context: 512, Type: synth.Q4_0, Seed: 7})
+		})
+	}
+}
+
+func testFusedDecode(t *testing.T, spec synth.Spec) {
 	path := filepath.Join(t.TempDir(), "q4.gguf")
-	spec := synth.Spec{Arch: "llama", Layers: 4, Embd: 2048, Heads: 16, KVHeads: 4, FFN: 5632, Vocab: 2048,
-		Context: 512, Type: synth.Q4_0, Seed: 7}
 	if err := synth.Write(path, spec, nil); err != nil {
 		t.Fatal(err)
 	}

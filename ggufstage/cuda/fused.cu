@@ -77,6 +77,7 @@ struct GemvArgs {
 	int passes;  // passes per row: spr over 32, rounded up
 	int unitRows; // rows a warp takes per unit of work: rpp, or 2 for SwiGLU
 	int stageBytes;
+	int copyBytes; // 16, or for Q6_K rows that are not 16-byte aligned 8 or 4 (copyWidth)
 	const float *x;
 	const float *norm; // RMS norm weights applied to x first, or null
 	int normDirect;    // read norm from global memory, not a shared copy (see placeNorm)
@@ -299,13 +300,20 @@ __device__ __forceinline__ void cpAsync16(void *dst, const void *src) {
 	const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
 	asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
 }
+// Copies of 8 or 4 bytes (cached in L1 too: .cg takes only 16).
+template <int N> __device__ __forceinline__ void cpAsyncCA(void *dst, const void *src) {
+	const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+	asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(N));
+}
 __device__ __forceinline__ void cpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Each warp walks its steps (unit, round of rpp rows, pass over up to 32
 // super-blocks of each) with the next step's copy in flight (cp.async into
 // the warp's other stage buffer) while it computes the current one.
-template <int TYPE, int THREADS>
+// COPY: the bytes of each copy (a.copyBytes), a template argument: one
+// kernel with the three copy loops ran the Q6_K head at 192 us, not 131.
+template <int TYPE, int THREADS, int COPY>
 __global__ void __launch_bounds__(THREADS, blocksOf<THREADS>()) gemv(GemvArgs a) {
 	constexpr int kThreads = THREADS, kWarps = THREADS / 32;
 	constexpr int kMaxChunks = TYPE == MF_Q4_0 ? 9 : 14; // 16-byte copies a lane makes per step
@@ -333,12 +341,22 @@ __global__ void __launch_bounds__(THREADS, blocksOf<THREADS>()) gemv(GemvArgs a)
 			const int unit = first + (k / perUnit) * stride, rp = k % perUnit;
 			const int round = rp / a.passes, pass = rp % a.passes;
 			const int v = min(unit * a.unitRows + round * a.rpp + mySlot, a.total - 1);
-			const int chunks = min(32, a.spr - pass * 32) * a.sbBytes / 16;
-			const uint4 *src = reinterpret_cast<const uint4 *>(rowPtr(a, v) + (size_t)pass * 32 * a.sbBytes);
-			uint4 *dst = reinterpret_cast<uint4 *>(stages + (k & 1) * a.stageBytes + mySlot * slotStride);
+			const int bytes = min(32, a.spr - pass * 32) * a.sbBytes;
+			const uint8_t *src = rowPtr(a, v) + (size_t)pass * 32 * a.sbBytes;
+			uint8_t *dst = stages + (k & 1) * a.stageBytes + mySlot * slotStride;
+			if constexpr (COPY == 16) {
 #pragma unroll
-			for (int i = 0; i < kMaxChunks; i++)
-				if (myIdx + a.group * i < chunks) cpAsync16(dst + myIdx + a.group * i, src + myIdx + a.group * i);
+				for (int i = 0; i < kMaxChunks; i++) {
+					const int c = myIdx + a.group * i;
+					if (c < bytes / 16) cpAsync16(dst + 16 * c, src + 16 * c);
+				}
+			} else { // Q6_K rows that are not 16-byte aligned (copyWidth)
+#pragma unroll
+				for (int i = 0; i < (kQ6Bytes + COPY - 1) / COPY; i++) {
+					const int c = myIdx + a.group * i;
+					if (c < bytes / COPY) cpAsyncCA<COPY>(dst + COPY * c, src + COPY * c);
+				}
+			}
 		}
 		cpAsyncCommit();
 	};
@@ -696,6 +714,18 @@ void launch(mf_engine *e, void (*kernel)(Args), dim3 grid, int threads, size_t s
 	cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
+// copyWidth is the widest copy (16, 8 or 4 bytes) that every row's pieces
+// and their places in shared memory are aligned to, or 0 if none is. A
+// Q4_0 super-block is 144 bytes; a Q6_K one 210, so Q6_K rows take 16-byte
+// copies only when a row is a multiple of eight super-blocks (n_embd of
+// 2048: 8B), and 4-byte ones when its super-blocks are even (512).
+int copyWidth(const GemvArgs &a) {
+	const int last = (a.spr % 32 ? a.spr % 32 : 32) * a.sbBytes; // the last pass's bytes
+	for (int w : {16, 8, 4})
+		if (last % w == 0 && (a.group * a.sbBytes) % w == 0 && a.stageBytes % w == 0) return w;
+	return 0;
+}
+
 // The kernel's shape for a matrix of k columns.
 void gemvShape(GemvArgs &a, int type, int k, int epi, int threads) {
 	a.type = type;
@@ -710,6 +740,7 @@ void gemvShape(GemvArgs &a, int type, int k, int epi, int threads) {
 	a.unitRows = epi != kSwiGLU ? a.rpp : (a.rpp < 2 ? 2 : a.rpp & ~1);
 	a.stageBytes = a.rpp * a.group * a.sbBytes;
 	a.epi = epi;
+	a.copyBytes = copyWidth(a);
 	a.threads = type == MF_Q6_K || k > 8192 ? kWideThreads : kThreads;
 	if (threads && type == MF_Q4_0) a.threads = threads; // the Q6_K head has only the wide kernel
 }
@@ -753,11 +784,12 @@ void launchGemv(mf_engine *e, const void *w0, const void *w1, const void *w2, in
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
 	const int blocks = e->sms * (512 / a.threads);
 	if (type == MF_Q6_K)
-		launch(e, gemv<MF_Q6_K, kWideThreads>, blocks, a.threads, gemvSmem(a), a);
+		launch(e, a.copyBytes == 16 ? gemv<MF_Q6_K, kWideThreads, 16> : a.copyBytes == 8 ? gemv<MF_Q6_K, kWideThreads, 8> : gemv<MF_Q6_K, kWideThreads, 4>,
+		       blocks, a.threads, gemvSmem(a), a);
 	else if (a.threads == kWideThreads)
-		launch(e, gemv<MF_Q4_0, kWideThreads>, blocks, a.threads, gemvSmem(a), a);
+		launch(e, gemv<MF_Q4_0, kWideThreads, 16>, blocks, a.threads, gemvSmem(a), a);
 	else
-		launch(e, gemv<MF_Q4_0, kThreads>, blocks, a.threads, gemvSmem(a), a);
+		launch(e, gemv<MF_Q4_0, kThreads, 16>, blocks, a.threads, gemvSmem(a), a);
 }
 
 void launchAttention(mf_engine *e, const mf_layer &L) {
@@ -816,8 +848,13 @@ extern "C" int mf_supported(const mf_config *c, char *err, int errlen) {
 	if (c->output && (!c->out_norm || c->vocab <= 0)) return errf(err, errlen, "output head without norm or vocabulary"), 1;
 	// Rows go to shared memory 16 bytes at a time.
 	if (c->embd > 16 * kHeld * kThreads) return errf(err, errlen, "embedding size %d (16384 at most)", c->embd), 1;
-	if (c->output && c->out_type == MF_Q6_K && c->embd % 2048)
-		return errf(err, errlen, "a Q6_K head needs an embedding size that is a multiple of 2048, not %d", c->embd), 1;
+	if (c->output) {
+		GemvArgs a{};
+		gemvShape(a, c->out_type, c->embd, kStore, 0);
+		if (!a.copyBytes)
+			return errf(err, errlen, "a Q6_K head needs an embedding size that is a multiple of 512, not %d", c->embd), 1;
+		if ((uintptr_t)c->output % 16) return errf(err, errlen, "the output head is not 16-byte aligned"), 1;
+	}
 	if (c->cells <= 0) return errf(err, errlen, "no cache cells"), 1;
 	for (int i = 0; i < c->n_layer; i++) {
 		const mf_layer &L = c->layers[i];
@@ -888,9 +925,11 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		errf(err, errlen, "the mat-vec kernel needs %zu bytes of shared memory, the device gives %d", need, smemOptin);
 		return fail();
 	}
-	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
-	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kWideThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
-	CE(cudaFuncSetAttribute(gemv<MF_Q6_K, kWideThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
+	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kThreads, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
+	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kWideThreads, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
+	CE(cudaFuncSetAttribute(gemv<MF_Q6_K, kWideThreads, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
+	CE(cudaFuncSetAttribute(gemv<MF_Q6_K, kWideThreads, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
+	CE(cudaFuncSetAttribute(gemv<MF_Q6_K, kWideThreads, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
 	{
 		int perSM = 0;
 		CE(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSM, c.head_dim == 128 ? attention<128> : attention<64>, kAttnThreads, 0));

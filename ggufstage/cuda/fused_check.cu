@@ -1,8 +1,9 @@
 // Checks and times the fused decode path on random weights, without ggml:
 //
-//   fused_check check   one decode step of five small models (head sizes 128
-//                       and 64, one to eight query heads per KV head, the
-//                       cache in one split or several) against a float64
+//   fused_check check   one decode step of seven small models (head sizes
+//                       128 and 64, one to eight query heads per KV head,
+//                       the cache in one split or several, Q6_K heads of
+//                       n_embd 2048, 2560, 3072 and 5120) against a float64
 //                       reference on the host that quantizes activations as
 //                       the kernels do; a split into two stages must give
 //                       the same bits.
@@ -291,8 +292,8 @@ static void step(mf_engine *e, int tok, const float *hidden, int pos, int loc, c
 	}
 }
 
-static int check(int nHead, int nKV, int hd, int n) {
-	const int embd = 2048, ffn = 5632, vocab = 3000, cells = 256, nLayer = 2;
+static int check(int embd, int nHead, int nKV, int hd, int n) {
+	const int ffn = 5632, vocab = 3000, cells = 256, nLayer = 2;
 	Model m = makeModel(nLayer, embd, nHead, nKV, hd, ffn, vocab, cells);
 	DeviceModel d = uploadModel(m);
 	std::vector<int> perm(cells);
@@ -340,8 +341,8 @@ static int check(int nHead, int nKV, int hd, int n) {
 	}
 	const double rel = std::sqrt(num / den);
 	const bool ok = nan == 0 && rel < 2e-3 && argRef == argGot && bitsDiffer == 0 && cacheErr < 2e-2;
-	printf("check heads %d/%d of %d, %d cells: logits rel err %.2e (max abs %.2e), argmax %d vs %d, split differs in %d, cache err %.1e, nonfinite %d: %s\n",
-	       nHead, nKV, hd, n, rel, worst, argGot, argRef, bitsDiffer, cacheErr, nan, ok ? "ok" : "FAIL");
+	printf("check n_embd %d, heads %d/%d of %d, %d cells: logits rel err %.2e (max abs %.2e), argmax %d vs %d, split differs in %d, cache err %.1e, nonfinite %d: %s\n",
+	       embd, nHead, nKV, hd, n, rel, worst, argGot, argRef, bitsDiffer, cacheErr, nan, ok ? "ok" : "FAIL");
 	mf_destroy(whole), mf_destroy(a), mf_destroy(b);
 	return ok ? 0 : 1;
 }
@@ -480,13 +481,16 @@ int main(int argc, char **argv) {
 	const char *what = argc > 1 ? argv[1] : "check";
 	int bad = 0;
 	if (!strcmp(what, "check") || !strcmp(what, "all")) {
-		// Query heads per KV head 4, 4, 5, 1, 8; one split of the cache and
-		// several (see AttnArgs.cellsPerSplit).
-		bad |= check(16, 4, 128, 100);
-		bad |= check(32, 8, 64, 100);
-		bad |= check(20, 4, 128, 200);
-		bad |= check(8, 8, 64, 20);
-		bad |= check(16, 2, 128, 150);
+		// Query heads per KV head 4, 4, 5, 1, 8, 3; one split of the cache
+		// and several (see AttnArgs.cellsPerSplit); the Q6_K head's rows
+		// copied in pieces of 16, 4 and 8 bytes (copyWidth).
+		bad |= check(2048, 16, 4, 128, 100);
+		bad |= check(2048, 32, 8, 64, 100);
+		bad |= check(2560, 20, 4, 128, 200);
+		bad |= check(2048, 8, 8, 64, 20);
+		bad |= check(2048, 16, 2, 128, 150);
+		bad |= check(3072, 24, 8, 128, 220);
+		bad |= check(5120, 40, 8, 128, 90);
 	}
 	if (!strcmp(what, "bench") || !strcmp(what, "all")) bad |= bench();
 	return bad;
