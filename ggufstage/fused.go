@@ -41,6 +41,8 @@ type fusedShape struct {
 	embd, heads, kvHeads, headDim, ffn int
 	eps, ropeBase, ropeScale           float32
 	embdType, outType                  uint32
+	neox                               bool // qwen2 rotates dimensions i and i+headDim/2
+	qkvBias                            bool // q, k and v have biases (qwen2)
 }
 
 // fusedEligible says why the fused path cannot run a stage of the model
@@ -51,8 +53,13 @@ func fusedEligible(meta *gguf.File, flash bool, kv ml.DType) (fusedShape, error)
 	fail := func(format string, args ...any) (fusedShape, error) {
 		return s, fmt.Errorf("%w: %s", errFusedUnavailable, fmt.Sprintf(format, args...))
 	}
-	if meta.Arch() != "llama" {
-		return fail("architecture %s (llama only)", meta.Arch())
+	// qwen2 is llama with q, k and v biases and NeoX rotation.
+	switch meta.Arch() {
+	case "llama":
+	case "qwen2":
+		s.neox = true
+	default:
+		return fail("architecture %s (llama and qwen2 only)", meta.Arch())
 	}
 	if !flash {
 		return fail("flash attention is off (the path reads ggml's unpermuted V cache)")
@@ -110,10 +117,21 @@ func fusedEligible(meta *gguf.File, flash bool, kv ml.DType) (fusedShape, error)
 	if _, ok := types["rope_freqs.weight"]; ok {
 		return fail("rope frequency factors")
 	}
+	biases := 0
 	for _, n := range []string{"attn_q.bias", "attn_k.bias", "attn_v.bias"} {
 		if _, ok := types[n]; ok {
-			return fail("attention biases")
+			if _, err := only(n, fsggml.TensorTypeF32); err != nil {
+				return s, err
+			}
+			biases++
 		}
+	}
+	if biases != 0 && biases != 3 {
+		return fail("biases on some of q, k and v, not all")
+	}
+	s.qkvBias = biases == 3
+	if _, ok := types["attn_output.bias"]; ok {
+		return fail("an attention output bias")
 	}
 	for _, n := range []string{"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"} {
 		if _, err := only(n+".weight", fsggml.TensorTypeQ4_0); err != nil {

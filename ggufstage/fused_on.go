@@ -271,6 +271,18 @@ func (f *cudaFused) create() (ok bool, err error) {
 			}
 			*p.dst = d
 		}
+		if f.shape.qkvBias {
+			for _, p := range []struct {
+				dst  *unsafe.Pointer
+				name string
+			}{{&l.bq, "attn_q"}, {&l.bk, "attn_k"}, {&l.bv, "attn_v"}} {
+				d, err := dev(fmt.Sprintf("blk.%d.%s.bias", i, p.name))
+				if err != nil {
+					return false, err
+				}
+				*p.dst = d
+			}
+		}
 		if l.k = C.meshnode_device_data(pointerField(k, "t")); l.k == nil {
 			return false, fmt.Errorf("layer %d's K cache is not in GPU memory", i)
 		}
@@ -284,7 +296,7 @@ func (f *cudaFused) create() (ok bool, err error) {
 	cfg := C.mf_config{
 		n_layer: C.int(n), embd: C.int(s.embd), n_head: C.int(s.heads), n_kv_head: C.int(s.kvHeads),
 		head_dim: C.int(s.headDim), ffn: C.int(s.ffn), vocab: C.int(e.info.Vocab), cells: C.int(cells),
-		eps: C.float(s.eps), rope_base: C.float(s.ropeBase), rope_freq_scale: C.float(1 / s.ropeScale),
+		eps: C.float(s.eps), rope_base: C.float(s.ropeBase), rope_freq_scale: C.float(1 / s.ropeScale), rope_neox: cBool(s.neox),
 		layers: f.layers, device: -1,
 	}
 	var err2 error

@@ -126,6 +126,8 @@ func TestFusedEligibleAlike(t *testing.T) {
 		{"Q6_K head at n_embd 2560", func(s *synth.Spec) { s.Embd, s.Heads, s.KVHeads = 2560, 20, 4 }, ""},
 		{"Q6_K head at n_embd 1280", func(s *synth.Spec) { s.Embd, s.Heads, s.KVHeads = 1280, 10, 2 }, "multiple of 512"},
 		{"tied head", func(s *synth.Spec) { s.Tied = true }, "tied output head"},
+		{"qwen2: q, k and v biases, NeoX rotation", func(s *synth.Spec) { s.Arch = "qwen2" }, ""},
+		{"qwen3", func(s *synth.Spec) { s.Arch = "qwen3" }, "llama and qwen2 only"},
 		{"Q8_0 weights", func(s *synth.Spec) { s.Type = synth.Q8_0 }, "[Q4_0] only"},
 	}
 	for _, tc := range tests {

@@ -146,7 +146,8 @@ func TestGPUBandwidth(t *testing.T) {
 // must give the same bits as one stage. It needs the fused library beside
 // ggml's CUDA backend (deploy/gpu/build-cuda.sh builds both). The shapes
 // take the Q6_K head's rows in pieces of 16, 8 and 4 bytes (copyWidth in
-// cuda/fused.cu) and have four, three and five query heads per KV head.
+// cuda/fused.cu) and have four, three and five query heads per KV head;
+// the qwen2 model adds q, k and v biases and NeoX rotation.
 func TestGPUFusedDecode(t *testing.T) {
 	needGPU(t)
 	if err := loadFusedLibrary(); err != nil {
@@ -154,15 +155,17 @@ func TestGPUFusedDecode(t *testing.T) {
 	}
 	tests := []struct {
 		name                      string
+		arch                      string
 		embd, heads, kvHeads, ffn int
 	}{
-		{"n_embd 2048", 2048, 16, 4, 5632},
-		{"n_embd 3072", 3072, 24, 8, 8192},
-		{"n_embd 2560", 2560, 20, 4, 6912},
+		{"n_embd 2048", "llama", 2048, 16, 4, 5632},
+		{"n_embd 3072", "llama", 3072, 24, 8, 8192},
+		{"n_embd 2560", "llama", 2560, 20, 4, 6912},
+		{"qwen2", "qwen2", 2048, 16, 2, 5632},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			testFusedDecode(t, synth.Spec{Arch: "llama", Layers: 4, Embd: tc.embd, Heads: tc.heads, KVHeads: tc.kvHeads,
+			testFusedDecode(t, synth.Spec{Arch: tc.arch, Layers: 4, Embd: tc.embd, Heads: tc.heads, KVHeads: tc.kvHeads,
 				FFN: tc.ffn, Vocab: 2048, Context: 512, Type: synth.Q4_0, Seed: 7})
 		})
 	}

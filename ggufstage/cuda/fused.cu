@@ -80,6 +80,7 @@ struct GemvArgs {
 	int copyBytes; // 16, or for Q6_K rows that are not 16-byte aligned 8 or 4 (copyWidth)
 	const float *x;
 	const float *norm; // RMS norm weights applied to x first, or null
+	const float *bias[3]; // kStore: each matrix's bias (q, k, v), or null
 	int normDirect;    // read norm from global memory, not a shared copy (see placeNorm)
 	int late;          // issue the first weight copies after the input's loads, not before pdlWait
 	float eps;
@@ -98,6 +99,16 @@ __device__ __forceinline__ const uint8_t *rowPtr(const GemvArgs &a, int r) {
 	r -= a.rows[0];
 	if (r < a.rows[1] || a.nmat < 3) return a.w[1] + (size_t)r * a.rowBytes;
 	return a.w[2] + (size_t)(r - a.rows[1]) * a.rowBytes;
+}
+
+// The bias of row r of the matrices, 0 without biases (constant indices, as
+// rowPtr).
+__device__ __forceinline__ float biasAt(const GemvArgs &a, int r) {
+	if (!a.bias[0]) return 0.f;
+	if (r < a.rows[0]) return a.bias[0][r];
+	r -= a.rows[0];
+	if (r < a.rows[1]) return a.bias[1][r];
+	return a.bias[2][r - a.rows[1]];
 }
 
 __device__ __forceinline__ float warpSum(float v) {
@@ -422,7 +433,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf<THREADS>()) gemv(GemvArgs a)
 			if (a.epi == kAdd)
 				a.y[v] += mine;
 			else
-				a.y[v] = mine;
+				a.y[v] = mine + biasAt(a, v);
 		}
 	}
 	cpAsyncWait<0>();
@@ -452,6 +463,7 @@ struct AttnArgs {
 	int nHead, nKV;
 	int cellsPerSplit; // cells a block takes, until maxSplits blocks share a head
 	int maxSplits;     // at most kSplits: by default as many as let all heads run at once
+	int neox;          // mf_config.rope_neox
 	float ropeBase, freqScale, scale;
 };
 
@@ -503,12 +515,14 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 		const float *qh = a.qkv + h * HD;
 		const float *kh = a.qkv + a.nHead * HD + g * HD;
 		const float *vh = a.qkv + (a.nHead + a.nKV) * HD + g * HD;
-		float x0 = qh[2 * i], x1 = qh[2 * i + 1];
-		q[2 * i] = (x0 * cs - x1 * sn) * a.scale;
-		q[2 * i + 1] = (x0 * sn + x1 * cs) * a.scale;
-		x0 = kh[2 * i], x1 = kh[2 * i + 1];
-		kn[2 * i] = __half2float(__float2half(x0 * cs - x1 * sn));
-		kn[2 * i + 1] = __half2float(__float2half(x0 * sn + x1 * cs));
+		// The pair rotated together: 2i and 2i+1, or (NeoX) i and i+HD/2.
+		const int i0 = a.neox ? i : 2 * i, i1 = a.neox ? i + HD / 2 : 2 * i + 1;
+		float x0 = qh[i0], x1 = qh[i1];
+		q[i0] = (x0 * cs - x1 * sn) * a.scale;
+		q[i1] = (x0 * sn + x1 * cs) * a.scale;
+		x0 = kh[i0], x1 = kh[i1];
+		kn[i0] = __half2float(__float2half(x0 * cs - x1 * sn));
+		kn[i1] = __half2float(__float2half(x0 * sn + x1 * cs));
 		vn[2 * i] = __half2float(__float2half(vh[2 * i]));
 		vn[2 * i + 1] = __half2float(__float2half(vh[2 * i + 1]));
 	}
@@ -771,7 +785,7 @@ __global__ void streamRead(const uint4 *p, size_t n, unsigned *sink) {
 }
 
 void launchGemv(mf_engine *e, const void *w0, const void *w1, const void *w2, int r0, int r1, int r2, int k,
-                int type, const float *x, const float *norm, float *y, int epi) {
+                int type, const float *x, const float *norm, float *y, int epi, const void *const *bias = nullptr) {
 	GemvArgs a{};
 	a.debug = gemvDebug;
 	a.w[0] = (const uint8_t *)w0, a.w[1] = (const uint8_t *)w1, a.w[2] = (const uint8_t *)w2;
@@ -780,6 +794,7 @@ void launchGemv(mf_engine *e, const void *w0, const void *w1, const void *w2, in
 	a.total = r0 + r1 + r2;
 	gemvShape(a, type, k, epi, e->threads);
 	a.x = x, a.norm = norm, a.eps = e->c.eps, a.y = y;
+	for (int i = 0; bias && i < 3; i++) a.bias[i] = (const float *)bias[i];
 	placeNorm(a, e->smemSM);
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
 	const int blocks = e->sms * (512 / a.threads);
@@ -797,6 +812,7 @@ void launchAttention(mf_engine *e, const mf_layer &L) {
 	a.qkv = e->qkv, a.kc = (__half *)L.k, a.vc = (__half *)L.v, a.params = e->params, a.out = e->att;
 	a.part = e->part, a.counter = e->counter, a.nHead = e->c.n_head, a.nKV = e->c.n_kv_head;
 	a.cellsPerSplit = e->attnCells, a.maxSplits = e->attnSplits;
+	a.neox = e->c.rope_neox;
 	a.ropeBase = e->c.rope_base, a.freqScale = e->c.rope_freq_scale;
 	a.scale = 1.f / sqrtf((float)e->c.head_dim);
 	dim3 grid(e->c.n_head, kSplits);
@@ -813,7 +829,9 @@ void enqueue(mf_engine *e) {
 	if (e->first) embed<<<(c.embd + 255) / 256, 256, 0, e->stream>>>((const uint8_t *)c.tok_embd, c.embd_type, c.embd, e->params, e->x);
 	for (int i = 0; i < c.n_layer; i++) {
 		const mf_layer &L = e->layers[i];
-		launchGemv(e, L.wq, L.wk, L.wv, qd, kvd, kvd, c.embd, MF_Q4_0, e->x, (const float *)L.attn_norm, e->qkv, kStore);
+		const void *bias[3] = {L.bq, L.bk, L.bv};
+		launchGemv(e, L.wq, L.wk, L.wv, qd, kvd, kvd, c.embd, MF_Q4_0, e->x, (const float *)L.attn_norm, e->qkv, kStore,
+		           L.bq ? bias : nullptr);
 		launchAttention(e, L);
 		launchGemv(e, L.wo, nullptr, nullptr, c.embd, 0, 0, qd, MF_Q4_0, e->att, nullptr, e->x, kAdd);
 		launchGemv(e, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, kSwiGLU);
@@ -861,6 +879,8 @@ extern "C" int mf_supported(const mf_config *c, char *err, int errlen) {
 		const void *ps[] = {L.attn_norm, L.wq, L.wk, L.wv, L.wo, L.ffn_norm, L.gate, L.up, L.down, L.k, L.v};
 		for (const void *p : ps)
 			if (!p) return errf(err, errlen, "layer %d has a missing tensor", i), 1;
+		if ((L.bq || L.bk || L.bv) && !(L.bq && L.bk && L.bv))
+			return errf(err, errlen, "layer %d has biases for some of q, k and v, not all", i), 1;
 		for (const void *p : {L.wq, L.wk, L.wv, L.wo, L.gate, L.up, L.down})
 			if ((uintptr_t)p % 16) return errf(err, errlen, "layer %d has a matrix not 16-byte aligned", i), 1;
 	}

@@ -21,15 +21,18 @@ enum { MF_F32 = 0, MF_F16 = 1, MF_Q4_0 = 2, MF_Q6_K = 14 };
 
 // One layer's device pointers: f32 norms, Q4_0 matrices, and the layer's f16
 // KV cache as ggml lays it out ([head_dim, n_kv_head, cells], V not permuted).
+// bq, bk, bv: f32 biases of q, k and v (qwen2), all three or none.
 typedef struct {
 	const void *attn_norm, *wq, *wk, *wv, *wo;
 	const void *ffn_norm, *gate, *up, *down;
 	void *k, *v;
+	const void *bq, *bk, *bv;
 } mf_layer;
 
 typedef struct {
 	int n_layer, embd, n_head, n_kv_head, head_dim, ffn, vocab, cells;
 	float eps, rope_base, rope_freq_scale;
+	int rope_neox;        // rotate dimensions i and i+head_dim/2 (qwen2), not 2i and 2i+1 (llama)
 	int embd_type;        // type of tok_embd
 	const void *tok_embd; // NULL unless the stage holds the first layer
 	int out_type;         // type of output

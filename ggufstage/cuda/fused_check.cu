@@ -1,9 +1,10 @@
 // Checks and times the fused decode path on random weights, without ggml:
 //
-//   fused_check check   one decode step of seven small models (head sizes
+//   fused_check check   one decode step of nine small models (head sizes
 //                       128 and 64, one to eight query heads per KV head,
 //                       the cache in one split or several, Q6_K heads of
-//                       n_embd 2048, 2560, 3072 and 5120) against a float64
+//                       n_embd 2048, 2560, 3072 and 5120, and two with
+//                       qwen2's biases and NeoX rotation) against a float64
 //                       reference on the host that quantizes activations as
 //                       the kernels do; a split into two stages must give
 //                       the same bits.
@@ -139,11 +140,13 @@ struct HostLayer {
 	std::vector<float> attnNorm, ffnNorm;
 	std::vector<uint8_t> wq, wk, wv, wo, gate, up, down;
 	std::vector<uint16_t> k, v; // cache
+	std::vector<float> bq, bk, bv; // empty: no biases
 };
 
 struct Model {
 	int nLayer, embd, nHead, nKV, hd, ffn, vocab, cells;
 	float eps = 1e-5f, base = 500000.f, freqScale = 1.f;
+	bool neox = false;
 	std::vector<uint8_t> tokEmbd, output;
 	std::vector<float> outNorm;
 	std::vector<HostLayer> L;
@@ -156,7 +159,7 @@ static std::vector<float> randomVec(int n, float lo, float hi) {
 	return v;
 }
 
-static Model makeModel(int nLayer, int embd, int nHead, int nKV, int hd, int ffn, int vocab, int cells) {
+static Model makeModel(int nLayer, int embd, int nHead, int nKV, int hd, int ffn, int vocab, int cells, bool qwen2 = false) {
 	Model m{nLayer, embd, nHead, nKV, hd, ffn, vocab, cells};
 	const int qd = nHead * hd, kvd = nKV * hd;
 	m.tokEmbd = randomMatrix(MF_Q4_0, vocab, embd, 1.0f);
@@ -178,32 +181,54 @@ static Model makeModel(int nLayer, int embd, int nHead, int nKV, int hd, int ffn
 		l.k.resize((size_t)cells * kvd), l.v.resize((size_t)cells * kvd);
 		for (auto &x : l.k) x = toHalf(nd(rng));
 		for (auto &x : l.v) x = toHalf(nd(rng));
+		if (qwen2) l.bq = randomVec(qd, -0.5f, 0.5f), l.bk = randomVec(kvd, -0.5f, 0.5f), l.bv = randomVec(kvd, -0.5f, 0.5f);
 		m.L.push_back(std::move(l));
 	}
+	m.neox = qwen2;
 	return m;
 }
 
-// One decode step on the host, layers [a,b). x is the residual stream in and out.
-static void reference(Model &m, int a, int b, std::vector<double> &x, int pos, int loc, const std::vector<int> &cells) {
+// The cache cell a step wrote on the device, per layer.
+struct DeviceCell {
+	std::vector<std::vector<uint16_t>> k, v;
+};
+
+// One decode step on the host, layers [a,b). x is the residual stream in and
+// out. The new cell's K and V are rounded to f16; where the kernels' cell
+// (dev) is given, the step notes how far it is from them (cacheErr) and then
+// attends to the kernels' bits: a value on an f16 rounding boundary may round
+// either way, and either is right.
+static void reference(Model &m, int a, int b, std::vector<double> &x, int pos, int loc, const std::vector<int> &cells,
+                      const DeviceCell *dev = nullptr, double *cacheErr = nullptr) {
 	const int qd = m.nHead * m.hd, kvd = m.nKV * m.hd;
 	for (int i = a; i < b; i++) {
 		HostLayer &l = m.L[i];
 		auto xn = quantized(rmsnorm(x, l.attnNorm, m.eps));
 		auto q = matvec(MF_Q4_0, l.wq, qd, m.embd, xn), k = matvec(MF_Q4_0, l.wk, kvd, m.embd, xn),
 		     v = matvec(MF_Q4_0, l.wv, kvd, m.embd, xn);
+		for (size_t j = 0; j < l.bq.size(); j++) q[j] += l.bq[j];
+		for (size_t j = 0; j < l.bk.size(); j++) k[j] += l.bk[j], v[j] += l.bv[j];
 		auto rope = [&](std::vector<double> &t, int heads) {
 			for (int h = 0; h < heads; h++)
 				for (int j = 0; j < m.hd / 2; j++) {
 					double th = pos * m.freqScale * std::pow((double)m.base, -2.0 * j / m.hd);
-					double x0 = t[h * m.hd + 2 * j], x1 = t[h * m.hd + 2 * j + 1];
-					t[h * m.hd + 2 * j] = x0 * std::cos(th) - x1 * std::sin(th);
-					t[h * m.hd + 2 * j + 1] = x0 * std::sin(th) + x1 * std::cos(th);
+					const int i0 = h * m.hd + (m.neox ? j : 2 * j), i1 = h * m.hd + (m.neox ? j + m.hd / 2 : 2 * j + 1);
+					double x0 = t[i0], x1 = t[i1];
+					t[i0] = x0 * std::cos(th) - x1 * std::sin(th);
+					t[i1] = x0 * std::sin(th) + x1 * std::cos(th);
 				}
 		};
 		rope(q, m.nHead), rope(k, m.nKV);
 		for (int j = 0; j < kvd; j++) {
-			l.k[(size_t)loc * kvd + j] = toHalf((float)k[j]);
-			l.v[(size_t)loc * kvd + j] = toHalf((float)v[j]);
+			uint16_t kh = toHalf((float)k[j]), vh = toHalf((float)v[j]);
+			if (dev) {
+				const uint16_t dk = dev->k[i - a][j], dv = dev->v[i - a][j];
+				*cacheErr = std::max(*cacheErr, (double)std::fabs(fromHalf(dk) - fromHalf(kh)));
+				*cacheErr = std::max(*cacheErr, (double)std::fabs(fromHalf(dv) - fromHalf(vh)));
+				kh = dk, vh = dv;
+			}
+			l.k[(size_t)loc * kvd + j] = kh;
+			l.v[(size_t)loc * kvd + j] = vh;
 		}
 		std::vector<int> all = cells;
 		all.push_back(loc);
@@ -258,6 +283,7 @@ static DeviceModel uploadModel(const Model &m) {
 		x.wq = upload(l.wq), x.wk = upload(l.wk), x.wv = upload(l.wv), x.wo = upload(l.wo);
 		x.gate = upload(l.gate), x.up = upload(l.up), x.down = upload(l.down);
 		x.k = upload(l.k), x.v = upload(l.v);
+		if (!l.bq.empty()) x.bq = upload(l.bq), x.bk = upload(l.bk), x.bv = upload(l.bv);
 		d.layers.push_back(x);
 	}
 	return d;
@@ -268,6 +294,7 @@ static mf_config configOf(const Model &m, const DeviceModel &d, int a, int b) {
 	c.n_layer = b - a, c.embd = m.embd, c.n_head = m.nHead, c.n_kv_head = m.nKV, c.head_dim = m.hd;
 	c.ffn = m.ffn, c.vocab = m.vocab, c.cells = m.cells, c.eps = m.eps, c.rope_base = m.base;
 	c.rope_freq_scale = m.freqScale;
+	c.rope_neox = m.neox;
 	c.layers = d.layers.data() + a;
 	if (a == 0) c.embd_type = MF_Q4_0, c.tok_embd = d.tokEmbd;
 	if (b == m.nLayer) c.out_type = MF_Q6_K, c.output = d.output, c.out_norm = d.outNorm;
@@ -292,9 +319,9 @@ static void step(mf_engine *e, int tok, const float *hidden, int pos, int loc, c
 	}
 }
 
-static int check(int embd, int nHead, int nKV, int hd, int n) {
+static int check(int embd, int nHead, int nKV, int hd, int n, bool qwen2 = false) {
 	const int ffn = 5632, vocab = 3000, cells = 256, nLayer = 2;
-	Model m = makeModel(nLayer, embd, nHead, nKV, hd, ffn, vocab, cells);
+	Model m = makeModel(nLayer, embd, nHead, nKV, hd, ffn, vocab, cells, qwen2);
 	DeviceModel d = uploadModel(m);
 	std::vector<int> perm(cells);
 	for (int i = 0; i < cells; i++) perm[i] = i;
@@ -311,10 +338,20 @@ static int check(int embd, int nHead, int nKV, int hd, int n) {
 	step(a, tok, nullptr, pos, loc, used, hidden.data());
 	step(b, 0, hidden.data(), pos, loc, used, split.data());
 
+	// The cache cell the step wrote, which the reference checks and then uses.
+	double cacheErr = 0;
+	const int kvd = nKV * hd;
+	DeviceCell cell;
+	for (int l = 0; l < nLayer; l++) {
+		std::vector<uint16_t> kc(kvd), vc(kvd);
+		CHECK(cudaMemcpy(kc.data(), (uint16_t *)d.layers[l].k + (size_t)loc * kvd, 2 * kvd, cudaMemcpyDeviceToHost));
+		CHECK(cudaMemcpy(vc.data(), (uint16_t *)d.layers[l].v + (size_t)loc * kvd, 2 * kvd, cudaMemcpyDeviceToHost));
+		cell.k.push_back(kc), cell.v.push_back(vc);
+	}
 	std::vector<double> x;
 	dequantRow(MF_Q4_0, &m.tokEmbd[rowBytesOf(MF_Q4_0, embd) * tok], embd, x);
 	for (auto &v : x) v = (float)v;
-	reference(m, 0, nLayer, x, pos, loc, used);
+	reference(m, 0, nLayer, x, pos, loc, used, &cell, &cacheErr);
 	auto ref = matvec(MF_Q6_K, m.output, vocab, embd, quantized(rmsnorm(x, m.outNorm, m.eps)));
 
 	double num = 0, den = 0, worst = 0;
@@ -327,22 +364,10 @@ static int check(int embd, int nHead, int nKV, int hd, int n) {
 		if (logits[i] > logits[argGot]) argGot = i;
 		if (memcmp(&logits[i], &split[i], 4)) bitsDiffer++;
 	}
-	// The cache cell the step wrote, against the reference's values.
-	double cacheErr = 0;
-	const int kvd = nKV * hd;
-	for (int l = 0; l < nLayer; l++) {
-		std::vector<uint16_t> kc(kvd), vc(kvd);
-		CHECK(cudaMemcpy(kc.data(), (uint16_t *)d.layers[l].k + (size_t)loc * kvd, 2 * kvd, cudaMemcpyDeviceToHost));
-		CHECK(cudaMemcpy(vc.data(), (uint16_t *)d.layers[l].v + (size_t)loc * kvd, 2 * kvd, cudaMemcpyDeviceToHost));
-		for (int j = 0; j < kvd; j++) {
-			cacheErr = std::max(cacheErr, (double)std::fabs(fromHalf(kc[j]) - fromHalf(m.L[l].k[(size_t)loc * kvd + j])));
-			cacheErr = std::max(cacheErr, (double)std::fabs(fromHalf(vc[j]) - fromHalf(m.L[l].v[(size_t)loc * kvd + j])));
-		}
-	}
 	const double rel = std::sqrt(num / den);
 	const bool ok = nan == 0 && rel < 2e-3 && argRef == argGot && bitsDiffer == 0 && cacheErr < 2e-2;
-	printf("check n_embd %d, heads %d/%d of %d, %d cells: logits rel err %.2e (max abs %.2e), argmax %d vs %d, split differs in %d, cache err %.1e, nonfinite %d: %s\n",
-	       embd, nHead, nKV, hd, n, rel, worst, argGot, argRef, bitsDiffer, cacheErr, nan, ok ? "ok" : "FAIL");
+	printf("check %s n_embd %d, heads %d/%d of %d, %d cells: logits rel err %.2e (max abs %.2e), argmax %d vs %d, split differs in %d, cache err %.1e, nonfinite %d: %s\n",
+	       qwen2 ? "qwen2" : "llama", embd, nHead, nKV, hd, n, rel, worst, argGot, argRef, bitsDiffer, cacheErr, nan, ok ? "ok" : "FAIL");
 	mf_destroy(whole), mf_destroy(a), mf_destroy(b);
 	return ok ? 0 : 1;
 }
@@ -491,6 +516,9 @@ int main(int argc, char **argv) {
 		bad |= check(2048, 16, 2, 128, 150);
 		bad |= check(3072, 24, 8, 128, 220);
 		bad |= check(5120, 40, 8, 128, 90);
+		// q, k and v biases and NeoX rotation (qwen2).
+		bad |= check(2048, 16, 2, 128, 120, true);
+		bad |= check(2048, 32, 4, 64, 40, true);
 	}
 	if (!strcmp(what, "bench") || !strcmp(what, "all")) bad |= bench();
 	return bad;
