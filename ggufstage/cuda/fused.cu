@@ -30,7 +30,7 @@ namespace {
 // for down's 14336 columns (12.1 against 13.2 us) and the Q6_K head (131
 // against 138 us).
 constexpr int kThreads = 256, kWideThreads = 512; // kThreads: the narrow shape
-template <int THREADS> constexpr int blocksOf() { return 512 / THREADS; }
+__host__ __device__ constexpr int blocksOf(int threads) { return 512 / threads; } // per multiprocessor
 // Attention: up to kSplits blocks per head share a sequence's cells,
 // kCellsPerSplit (MESHNODE_FUSED_ATTN_CELLS) or more each.
 constexpr int kSplits = 32;
@@ -325,7 +325,7 @@ template <int N> __device__ __forceinline__ void cpAsyncWait() { asm volatile("c
 // COPY: the bytes of each copy (a.copyBytes), a template argument: one
 // kernel with the three copy loops ran the Q6_K head at 192 us, not 131.
 template <int TYPE, int THREADS, int COPY>
-__global__ void __launch_bounds__(THREADS, blocksOf<THREADS>()) gemv(GemvArgs a) {
+__global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 	constexpr int kThreads = THREADS, kWarps = THREADS / 32;
 	constexpr int kMaxChunks = TYPE == MF_Q4_0 ? 9 : 14; // 16-byte copies a lane makes per step
 	extern __shared__ __align__(16) uint8_t smem[];
@@ -770,7 +770,7 @@ size_t gemvSmem(const GemvArgs &a) {
 // multiprocessor ran it at 2.7 TB/s.
 void placeNorm(GemvArgs &a, int smemPerSM) {
 	a.normDirect = 0;
-	if (a.norm && (size_t)(512 / a.threads) * (gemvSmem(a) + 1024) > (size_t)smemPerSM) a.normDirect = 1;
+	if (a.norm && (size_t)blocksOf(a.threads) * (gemvSmem(a) + 1024) > (size_t)smemPerSM) a.normDirect = 1;
 }
 
 int gemvDebug = 0;
@@ -797,7 +797,7 @@ void launchGemv(mf_engine *e, const void *w0, const void *w1, const void *w2, in
 	for (int i = 0; bias && i < 3; i++) a.bias[i] = (const float *)bias[i];
 	placeNorm(a, e->smemSM);
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
-	const int blocks = e->sms * (512 / a.threads);
+	const int blocks = e->sms * blocksOf(a.threads);
 	if (type == MF_Q6_K)
 		launch(e, a.copyBytes == 16 ? gemv<MF_Q6_K, kWideThreads, 16> : a.copyBytes == 8 ? gemv<MF_Q6_K, kWideThreads, 8> : gemv<MF_Q6_K, kWideThreads, 4>,
 		       blocks, a.threads, gemvSmem(a), a);
