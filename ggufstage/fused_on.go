@@ -257,31 +257,24 @@ func (f *cudaFused) create() (ok bool, err error) {
 		}
 		cells = k.Dim(2)
 		l := &ls[j]
-		ptrs := []struct {
+		type ptr struct {
 			dst  *unsafe.Pointer
 			name string
-		}{
-			{&l.attn_norm, "attn_norm"}, {&l.wq, "attn_q"}, {&l.wk, "attn_k"}, {&l.wv, "attn_v"}, {&l.wo, "attn_output"},
-			{&l.ffn_norm, "ffn_norm"}, {&l.gate, "ffn_gate"}, {&l.up, "ffn_up"}, {&l.down, "ffn_down"},
+		}
+		ptrs := []ptr{
+			{&l.attn_norm, "attn_norm.weight"}, {&l.wq, "attn_q.weight"}, {&l.wk, "attn_k.weight"}, {&l.wv, "attn_v.weight"},
+			{&l.wo, "attn_output.weight"}, {&l.ffn_norm, "ffn_norm.weight"}, {&l.gate, "ffn_gate.weight"},
+			{&l.up, "ffn_up.weight"}, {&l.down, "ffn_down.weight"},
+		}
+		if f.shape.qkvBias {
+			ptrs = append(ptrs, ptr{&l.bq, "attn_q.bias"}, ptr{&l.bk, "attn_k.bias"}, ptr{&l.bv, "attn_v.bias"})
 		}
 		for _, p := range ptrs {
-			d, err := dev(fmt.Sprintf("blk.%d.%s.weight", i, p.name))
+			d, err := dev(fmt.Sprintf("blk.%d.%s", i, p.name))
 			if err != nil {
 				return false, err
 			}
 			*p.dst = d
-		}
-		if f.shape.qkvBias {
-			for _, p := range []struct {
-				dst  *unsafe.Pointer
-				name string
-			}{{&l.bq, "attn_q"}, {&l.bk, "attn_k"}, {&l.bv, "attn_v"}} {
-				d, err := dev(fmt.Sprintf("blk.%d.%s.bias", i, p.name))
-				if err != nil {
-					return false, err
-				}
-				*p.dst = d
-			}
 		}
 		if l.k = C.meshnode_device_data(pointerField(k, "t")); l.k == nil {
 			return false, fmt.Errorf("layer %d's K cache is not in GPU memory", i)
