@@ -152,8 +152,12 @@ func TestPlace(t *testing.T) {
 			nodes: []Node{nd("a", 30, 1), nd("b", 80, 1), nd("c", 30, 1)}, want: "[0,3)=a [3,10)=b"},
 
 		// Embedding, head, KV, overhead, uneven layers.
-		{name: "embedding and head", model: with(mdl(4, 10), func(m *Model) { m.EmbedBytes, m.HeadBytes = 30, 30 }),
-			nodes: []Node{nd("a", 60, 1), nd("b", 60, 1)}, want: "[0,2)=a [2,4)=b"},
+		// The head weighs three layers: the last stage's work is 1+3 against
+		// the first's 3 (2+3 against 2 would be further from even).
+		{name: "embedding and head: the head's stage takes fewer layers", model: with(mdl(4, 10), func(m *Model) { m.EmbedBytes, m.HeadBytes = 30, 30 }),
+			nodes: []Node{nd("a", 60, 1), nd("b", 60, 1)}, want: "[0,3)=a [3,4)=b"},
+		{name: "a head lighter than half a layer moves nothing", model: with(mdl(4, 10), func(m *Model) { m.HeadBytes = 4 }),
+			nodes: []Node{nd("a", 40, 1), nd("b", 40, 1)}, want: "[0,2)=a [2,4)=b"},
 		{name: "embedding too big for the first node by ID: reordered",
 			model: with(mdl(4, 10), func(m *Model) { m.EmbedBytes = 50 }),
 			nodes: []Node{nd("a", 30, 1), nd("b", 80, 1)}, want: "[0,2)=b [2,4)=a"},
@@ -553,5 +557,28 @@ func TestInputUntouched(t *testing.T) {
 	}
 	if got := ids(nodes); !slices.Equal(got, []string{"c", "a", "b"}) {
 		t.Errorf("input reordered to %v", got)
+	}
+}
+
+func TestStageWork(t *testing.T) {
+	tests := []struct {
+		name       string
+		model      Model
+		start, end int
+		want       float64
+	}{
+		{"a middle stage: its layers", with(mdl(4, 10), func(m *Model) { m.HeadBytes = 30 }), 1, 3, 2},
+		{"the last stage: layers and the head in layers", with(mdl(4, 10), func(m *Model) { m.HeadBytes = 30 }), 2, 4, 5},
+		{"the whole model", with(mdl(4, 10), func(m *Model) { m.EmbedBytes, m.HeadBytes = 99, 30 }), 0, 4, 7},
+		{"uneven layers: the mean layer", with(mdl(4, 0), func(m *Model) { m.PerLayerBytes, m.HeadBytes = []uint64{20, 40, 30, 30}, 15 }), 3, 4, 1.5},
+		{"no head", mdl(4, 10), 2, 4, 2},
+		{"layers of unknown size", with(mdl(4, 0), func(m *Model) { m.HeadBytes = 30 }), 2, 4, 2},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := tc.model.StageWork(tc.start, tc.end); got != tc.want {
+				t.Errorf("StageWork(%d, %d) = %v, want %v", tc.start, tc.end, got, tc.want)
+			}
+		})
 	}
 }

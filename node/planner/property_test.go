@@ -28,7 +28,18 @@ func keyOf(m Model, pl placement) key {
 				k.cost.inv++
 			}
 		}
+		// Work: layers, and on the last stage the head in layers of the
+		// model's mean layer bytes.
 		n := float64(s.end - s.start)
+		if s.end == m.Layers && m.HeadBytes > 0 {
+			var all uint64
+			for l := range m.Layers {
+				all += m.layerBytes(l)
+			}
+			if all > 0 {
+				n += float64(m.HeadBytes) * float64(m.Layers) / float64(all)
+			}
+		}
 		k.cost.balance += n * n / s.node.speed
 		if mem := float64(m.StageMemory(s.start, s.end).Total(m.KVTokens)); mem > 0 {
 			k.cost.spread += mem * mem / float64(s.node.usable)

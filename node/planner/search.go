@@ -23,6 +23,7 @@ type problem struct {
 	freeFrom []int    // freeFrom[p]: unpinned layers in [p, L)
 	pinned   []bool   // pinned[l]: layer l belongs to a pin
 	memTab   []uint64 // memTab[s*(L+1)+e]: mem(s, e)
+	head     float64  // the output head's work in layers (Model.StageWork)
 }
 
 func newProblem(m Model, o Options) *problem {
@@ -30,6 +31,7 @@ func newProblem(m Model, o Options) *problem {
 	for l := range m.Layers {
 		pb.prefix[l+1] = pb.prefix[l] + m.layerBytes(l)
 	}
+	pb.head = m.StageWork(0, m.Layers) - float64(m.Layers)
 	pb.setPins(nil)
 	w := m.Layers + 1
 	pb.memTab = make([]uint64, w*w)
@@ -39,6 +41,14 @@ func newProblem(m Model, o Options) *problem {
 		}
 	}
 	return pb
+}
+
+// work is Model.StageWork(s, e).
+func (pb *problem) work(s, e int) float64 {
+	if e == pb.layers {
+		return float64(e-s) + pb.head
+	}
+	return float64(e - s)
 }
 
 // mem is the bytes [s,e) needs as one stage.
@@ -94,7 +104,7 @@ func (pb *problem) setPins(pinned []cand) {
 // of preference after the stage count, which the searches handle themselves.
 type cost struct {
 	inv       int     // pairs of unpinned nodes out of ID order
-	balance   float64 // Σ layers²/speed
+	balance   float64 // Σ work²/speed (Model.StageWork)
 	spread    float64 // Σ bytes²/budget
 	reachable bool
 }
@@ -119,11 +129,11 @@ func near(x, y float64) bool {
 	return math.Abs(x-y) <= 1e-9*max(math.Abs(x), math.Abs(y))
 }
 
-// plus adds a stage of n layers and mem bytes on a node, given the
-// node's 1/speed and 1/budget, with inv more inversions.
-func (a cost) plus(n int, mem uint64, perSpeed, perByte float64, inv int) cost {
+// plus adds a stage of the given work (Model.StageWork) and mem bytes on a
+// node, given the node's 1/speed and 1/budget, with inv more inversions.
+func (a cost) plus(work float64, mem uint64, perSpeed, perByte float64, inv int) cost {
 	a.inv += inv
-	a.balance += float64(n) * float64(n) * perSpeed
+	a.balance += work * work * perSpeed
 	if mem > 0 {
 		a.spread += float64(mem) * float64(mem) * perByte
 	}
@@ -312,7 +322,7 @@ func (pb *problem) exact(free []cand, target, most int) ([]seg, int, bool) {
 					if target > 0 && pb.freeFrom[q] < target-used-1 {
 						break // too few layers left for the other stages
 					}
-					nc := st.cost.plus(e-p, m, perSpeed[j], perByte[j], inv)
+					nc := st.cost.plus(pb.work(p, e), m, perSpeed[j], perByte[j], inv)
 					if nc.less(dp[to+q].cost) {
 						dp[to+q] = exactState{cost: nc, node: int8(j), start: int16(p), end: int16(e)}
 					}
@@ -408,7 +418,7 @@ func (pb *problem) ordered(free []cand, target int) ([]seg, int, bool) {
 					if target > 0 && pb.freeFrom[q] < target-k {
 						break
 					}
-					nc := f.cost.plus(e-s, m, perSpeed[j], perByte[j], 0)
+					nc := f.cost.plus(pb.work(s, e), m, perSpeed[j], perByte[j], 0)
 					if nc.less(cur[j*width+q]) {
 						cur[j*width+q] = nc
 						bk[(j-lo)*width+q] = back{prev: f.node, start: int16(s), end: int16(e)}
