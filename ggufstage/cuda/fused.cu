@@ -613,9 +613,10 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	__syncthreads();
 	if (!last) return;
 	__threadfence();
-	// The merge, in two rounds of loads that are all in flight together:
-	// a loop over the splits that waited for each one's (L2) load before
-	// the next cost 0.3 us a split (run 53).
+	// The merge, in two rounds of loads that are all in flight together. A
+	// loop over the splits waited for each one's L2 load before the next:
+	// with it and two waves of blocks, attention at 576 cells took 10.9 us,
+	// 7.2 without (run 55).
 	const float *all = a.part + (size_t)h * kSplits * (HD + 2);
 	float *wsplit = &wacc[0][0]; // each split's weight; the warps' sums are read
 	if (warp == 0) {
