@@ -1,9 +1,9 @@
 package ggufstage
 
 // The fused CUDA decode path (cuda/fused.h): a stage on an NVIDIA GPU whose
-// llama layers are Q4_0 runs one-row decode passes through meshnode's own
-// kernels, as one CUDA graph replayed every token, instead of a ggml graph
-// built and captured anew each token. It reads the weights ggml loaded and
+// llama or qwen2 layers are Q4_0 runs one-row decode passes through
+// meshnode's own kernels, as one CUDA graph replayed every token, instead
+// of a ggml graph built and captured anew each token. It reads the weights ggml loaded and
 // writes the same KV cache cells ollama's cache hands out, so ggml passes
 // (prefill, several rows) and fused ones mix freely on one cache.
 
@@ -238,7 +238,8 @@ func newCausalView(cache kvcache.Cache) (*causalView, error) {
 // StartForward also builds the inputs of a ggml graph (the cell indexes
 // and the attention mask, in buffers of their own) that a fused step
 // does not use: that costs tens of microseconds a step, and a step is a
-// millisecond. The cache must have no sliding window (llama's has none).
+// millisecond. The cache must have no sliding window (llama's and qwen2's
+// have none).
 func (v *causalView) place(seq int, pos int32) (int, error) {
 	cells := *v.cells
 	loc := slices.IndexFunc(cells, func(c causalCell) bool { return len(c.sequences) == 0 })

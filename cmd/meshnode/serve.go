@@ -48,7 +48,7 @@ func (f *nodeFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.QueueSize, "queue", 64, "requests that may wait for a free sequence before new ones get 429")
 	fs.IntVar(&c.MaxTokensCap, "max-tokens", 4096, "upper bound on max_tokens of a request")
 	fs.Var(switchFlag{&c.BuildAhead}, "build-ahead", "on a decode step, build the next step's graph while this one computes: auto (on for layers on a GPU, where the host is otherwise idle), on, off")
-	fs.Var(switchFlag{&c.FusedDecode}, "fused-decode", "one-row decode passes through meshnode's own CUDA kernels (deploy/gpu builds them): auto (on for a stage on an NVIDIA GPU of a llama model whose layers are all Q4_0, with an untied Q4_0 or Q6_K head; the log says why not), on (loading fails where they cannot run), off")
+	fs.Var(switchFlag{&c.FusedDecode}, "fused-decode", "one-row decode passes through meshnode's own CUDA kernels (deploy/gpu builds them): auto (on for a stage on an NVIDIA GPU of a llama or qwen2 model whose layers are all Q4_0, with an untied Q4_0 or Q6_K head; the log says why not), on (loading fails where they cannot run), off")
 	fs.Var(switchFlag{&c.DecodeGraphs}, "decode-graphs", "a scheduler of its own for each pipeline lane's decode passes, and CUDA graphs for decode passes of several rows (ggml's are off for them): on, off, auto (off: experimental)")
 	fs.Var(switchFlag{&c.FlashAttention}, "flash-attn", "fused attention: auto (on for layers on a GPU, and on a CPU where meshnode's own kernel runs: AVX512-VNNI, f16 KV cache), on, off. Elsewhere on a CPU, on gets ggml's kernel, with which a replay after a node failure may differ from the uninterrupted text (see README)")
 	fs.BoolVar(&c.NoRepack, "no-repack", false, "keep quantized weights in ggml's plain layout (slower on CPU)")

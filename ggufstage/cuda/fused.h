@@ -1,5 +1,5 @@
 // meshnode's fused CUDA decode path: one token of one sequence through a
-// stage's llama layers as one CUDA graph of a few kernels per layer, reading
+// stage's llama or qwen2 layers as one CUDA graph of a few kernels per layer, reading
 // the weights and the KV cache that ggml's CUDA backend already holds.
 //
 // ggml launches about fifteen kernels per layer and rebuilds its CUDA graph
