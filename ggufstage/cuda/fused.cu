@@ -37,7 +37,14 @@ constexpr int kSplits = 32;
 constexpr int kU = 8; // cells a warp loads at once
 constexpr int kCellsPerSplit = 64;
 constexpr int kAttnThreads = 256;
-constexpr int kParams = 4; // pos, loc, n, token; then the cells
+// Per row (sequence) of a pass: pos, loc, n, token, and where its cells
+// start; then the rows' cells, one list after another.
+constexpr int kParams = 5;
+// Rows a pass takes at once: each sequence's own token. A weight is read
+// once for all of them (see gemvMMA): on an H200 a pass of eight rows of
+// the 8B model took 3.8 times one row's (run 76), not eight.
+constexpr int kMaxRows = 8;
+constexpr int kRed = 64; // floats of the norms' reduction space in shared memory
 
 constexpr int kQ4Bytes = 18;   // Q4_0: f16 scale, 16 bytes of nibbles, 32 weights
 constexpr int kQ6Bytes = 210;  // Q6_K: 128 ql, 64 qh, 16 scales, f16 d; 256 weights
@@ -87,6 +94,12 @@ struct GemvArgs {
 	float *y;
 	int epi;
 	int threads; // the block's: kThreads or kWideThreads (gemvShape)
+	int rowsCap; // the kernel's ROWS, or for gemvMMA the rows its buffers hold
+	int nrows;   // input rows (sequences), at most rowsCap
+	int mma;     // gemvMMA runs it
+	int xqRow;   // bytes from one row of the quantized input to the next
+	int xdsRow;  // its scales' float2s from one row to the next
+	int xStride, yStride; // floats from one row of x, y to the next
 	int debug; // mf_profile: 1 skips the input's quantization, 2 the dot products
 };
 
@@ -217,7 +230,7 @@ __device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float 
 		const int hg = threadIdx.x + kThreads * i;
 		if (hg < halves) {
 #pragma unroll
-			for (int j = 0; j < 16; j++) ss += v[i][j] * v[i][j];
+			for (int j = 0; j < 16; j++) ss = fmaf(v[i][j], v[i][j], ss); // as quantizeRows
 		}
 	}
 	ss = warpSum(ss);
@@ -238,6 +251,111 @@ __device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float 
 		quantizeHalf(v[i], hg, hg < halves, xq, xds);
 	}
 	__syncthreads();
+}
+
+// quantizeInput for a.nrows input rows, row r of x at r*a.xStride, into
+// xq and xds at r*a.xqRow and r*a.xdsRow. Without a norm every half of every row is
+// one item of work. With one, each row is normalized with the arithmetic
+// quantizeInput does for it alone (thread t sums halves t, t+THREADS, ...
+// of the row, in that order, then the warps' sums in order), so that a row
+// quantizes to the same bits in a pass of any number of rows; several rows
+// share a thread's kHeld slots when a row needs fewer.
+template <int THREADS, typename F>
+__device__ void quantizeRows(const GemvArgs &a, int8_t *xq, float2 *xds, float *red, const float *normS, F afterLoads) {
+	constexpr int kWarps = THREADS / 32;
+	const int halves = a.k / 16, warp = threadIdx.x >> 5;
+	const size_t rowQ = a.xqRow, rowD = a.xdsRow;
+	if (!a.norm) {
+		const int total = halves * a.nrows;
+		const int iters = (total + THREADS - 1) / THREADS;
+		for (int i0 = 0; i0 < iters; i0 += kHeld) {
+			float v[kHeld][16];
+#pragma unroll
+			for (int i = 0; i < kHeld; i++) {
+				const int hg = threadIdx.x + THREADS * (i0 + i), r = hg / halves;
+				if (hg < total) load16(a.x + (size_t)r * a.xStride + (hg - r * halves) * 16, v[i]);
+			}
+			if (i0 == 0) afterLoads();
+#pragma unroll
+			for (int i = 0; i < kHeld; i++) {
+				if (i0 + i >= iters) break;
+				const int hg = threadIdx.x + THREADS * (i0 + i);
+				const int r = hg < total ? hg / halves : 0;
+				quantizeHalf(v[i], hg - r * halves, hg < total, xq + r * rowQ, xds + r * rowD);
+			}
+		}
+		__syncthreads();
+		return;
+	}
+	const int iters = (halves + THREADS - 1) / THREADS; // slots a row takes
+	const int group = max(1, kHeld / iters);              // rows at once
+	for (int r0 = 0; r0 < a.nrows; r0 += group) {
+		// Slot s holds half threadIdx.x + THREADS * (s % iters) of row r0 + s / iters.
+		float v[kHeld][16];
+#pragma unroll
+		for (int s = 0; s < kHeld; s++) {
+			const int rr = s / iters, hg = threadIdx.x + THREADS * (s % iters);
+			if (rr < group && r0 + rr < a.nrows && hg < halves) load16(a.x + (size_t)(r0 + rr) * a.xStride + hg * 16, v[s]);
+		}
+		if (r0 == 0) afterLoads();
+		float ss[kHeld];
+#pragma unroll
+		for (int c = 0; c < kHeld; c++) ss[c] = 0.f;
+#pragma unroll
+		for (int s = 0; s < kHeld; s++) {
+			const int rr = s / iters, hg = threadIdx.x + THREADS * (s % iters);
+			if (rr >= group || r0 + rr >= a.nrows || hg >= halves) continue;
+#pragma unroll
+			for (int c = 0; c < kHeld; c++)
+				if (c == rr)
+#pragma unroll
+					for (int j = 0; j < 16; j++) ss[c] = fmaf(v[s][j], v[s][j], ss[c]);
+		}
+#pragma unroll
+		for (int c = 0; c < kHeld; c++) {
+			if (c >= group) break;
+			const float t = warpSum(ss[c]);
+			if ((threadIdx.x & 31) == 0) red[c * kWarps + warp] = t;
+		}
+		__syncthreads();
+		float scale[kHeld];
+#pragma unroll
+		for (int c = 0; c < kHeld; c++) {
+			float total = 0.f;
+			if (c < group)
+#pragma unroll
+				for (int w = 0; w < kWarps; w++) total += red[c * kWarps + w];
+			scale[c] = rsqrtf(total / (float)a.k + a.eps);
+		}
+#pragma unroll
+		for (int s = 0; s < kHeld; s++) {
+			const int rr = s / iters, hg = threadIdx.x + THREADS * (s % iters);
+			if (rr >= group) break;
+			const bool ok = r0 + rr < a.nrows && hg < halves;
+			float sc = 0.f;
+#pragma unroll
+			for (int c = 0; c < kHeld; c++)
+				if (c == rr) sc = scale[c];
+			float n[16] = {};
+			if (ok) load16(normS + hg * 16, n);
+#pragma unroll
+			for (int j = 0; j < 16; j++) v[s][j] = v[s][j] * sc * n[j];
+			const int r = ok ? r0 + rr : 0;
+			quantizeHalf(v[s], hg, ok, xq + r * rowQ, xds + r * rowD);
+		}
+		__syncthreads(); // red is written again for the next rows
+	}
+}
+
+// Two Q4_0 blocks' share of a dot product: weight scales d0, d1; the
+// input blocks' scales and scaled sums e0, e1; the integer dot products s0,
+// s1. One function for one row and for several, its multiplies and adds
+// fused by hand: left to the compiler, they fused differently in the two
+// kernels, and a row's result must have the same bits in a pass of any
+// number of rows.
+__device__ __forceinline__ float q4Term(float d0, float d1, float2 e0, float2 e1, int s0, int s1) {
+	const float t0 = fmaf(e0.x, (float)s0, -8.f * e0.y), t1 = fmaf(e1.x, (float)s1, -8.f * e1.y);
+	return fmaf(d0, t0, d1 * t1);
 }
 
 // A Q4_0 super-block (eight blocks, 144 bytes, W its 36 words) against
@@ -267,9 +385,22 @@ __device__ __forceinline__ float dotQ4SB(const uint32_t (&W)[36], int sb, const 
 			s1 = __dp4a((int)((qb[i] >> 4) & 0x0f0f0f0fu), x1[i + 4], s1);
 		}
 		const float2 e0 = xdsAt(xds, sb, 2 * j), e1 = xdsAt(xds, sb, 2 * j + 1);
-		acc += d0 * (e0.x * (float)s0 - 8.f * e0.y) + d1 * (e1.x * (float)s1 - 8.f * e1.y);
+		acc += q4Term(d0, d1, e0, e1, s0, s1);
 	}
 	return acc;
+}
+
+// The float part of half a Q6_K block's dot product: its integer sums s
+// by sub-block, their scales sc, the block's scale d. One expression for
+// one row and for several, fused by hand (see q4Term).
+__device__ __forceinline__ float q6Sum(const int (&s)[4][2], const int8_t *sc, float d, int half, int sb, const float2 *xds) {
+	float acc = 0.f;
+#pragma unroll
+	for (int m = 0; m < 4; m++) {
+		const float d8 = xdsAt(xds, sb, 4 * half + m).x;
+		acc = fmaf(d8, fmaf((float)sc[2 * m], (float)s[m][0], (float)sc[2 * m + 1] * (float)s[m][1]), acc);
+	}
+	return __fmul_rn(d, acc); // never fused into the caller's add of the two halves
 }
 
 // Half (128 weights) of a Q6_K block against the input from weight base on.
@@ -298,13 +429,50 @@ __device__ __forceinline__ float dotQ6Half(const uint8_t *blk, int half, int sb,
 		s[2][g] = __dp4a(v2, xi(64 + l), s[2][g]);
 		s[3][g] = __dp4a(v3, xi(96 + l), s[3][g]);
 	}
-	float acc = 0.f;
+	return q6Sum(s, sc, d, half, sb, xds);
+}
+
+// Half a Q6_K block against each of nrows inputs (row r at r*k in xq and
+// r*k/32 in xds), into h[r]: the 6-bit values are unpacked once.
+template <int ROWS>
+__device__ __forceinline__ void dotQ6HalfRows(const uint8_t *blk, int half, int sb, const int8_t *xq, const float2 *xds, int k,
+                                              int nrows, float (&h)[ROWS]) {
+	const uint8_t *ql = blk + 64 * half;
+	const uint8_t *qh = blk + 128 + 32 * half;
+	const int8_t *sc = reinterpret_cast<const int8_t *>(blk + 192 + 8 * half);
+	const float d = halfAt(blk + 208);
+	int s[ROWS][4][2];
 #pragma unroll
-	for (int m = 0; m < 4; m++) {
-		const float d8 = xdsAt(xds, sb, 4 * half + m).x;
-		acc += d8 * ((float)sc[2 * m] * (float)s[m][0] + (float)sc[2 * m + 1] * (float)s[m][1]);
+	for (int r = 0; r < ROWS; r++)
+#pragma unroll
+		for (int m = 0; m < 4; m++) s[r][m][0] = s[r][m][1] = 0;
+#pragma unroll
+	for (int l = 0; l < 32; l += 4) {
+		const uint32_t qa = u32At2(ql + l), qb = u32At2(ql + l + 32), hh = u32At2(qh + l);
+		const int g = l >> 4;
+		const int v0 = (int)__vsubss4((qa & 0x0f0f0f0fu) | ((hh << 4) & 0x30303030u), 0x20202020u);
+		const int v1 = (int)__vsubss4((qb & 0x0f0f0f0fu) | ((hh << 2) & 0x30303030u), 0x20202020u);
+		const int v2 = (int)__vsubss4(((qa >> 4) & 0x0f0f0f0fu) | (hh & 0x30303030u), 0x20202020u);
+		const int v3 = (int)__vsubss4(((qb >> 4) & 0x0f0f0f0fu) | ((hh >> 2) & 0x30303030u), 0x20202020u);
+#pragma unroll
+		for (int r = 0; r < ROWS; r++) {
+			if (r >= nrows) break;
+			const int8_t *xr = xq + r * k;
+			auto xi = [&](int o) {
+				o += 128 * half;
+				return *reinterpret_cast<const int *>(xqChunk(xr, sb, o >> 4) + (o & 15));
+			};
+			s[r][0][g] = __dp4a(v0, xi(l), s[r][0][g]);
+			s[r][1][g] = __dp4a(v1, xi(32 + l), s[r][1][g]);
+			s[r][2][g] = __dp4a(v2, xi(64 + l), s[r][2][g]);
+			s[r][3][g] = __dp4a(v3, xi(96 + l), s[r][3][g]);
+		}
 	}
-	return d * acc;
+#pragma unroll
+	for (int r = 0; r < ROWS; r++) {
+		if (r >= nrows) break;
+		h[r] = q6Sum(s[r], sc, d, half, sb, xds + r * (k / 32));
+	}
 }
 
 __device__ __forceinline__ void cpAsync16(void *dst, const void *src) {
@@ -324,17 +492,21 @@ template <int N> __device__ __forceinline__ void cpAsyncWait() { asm volatile("c
 // the warp's other stage buffer) while it computes the current one.
 // COPY: the bytes of each copy (a.copyBytes), a template argument: one
 // kernel with the three copy loops ran the Q6_K head at 192 us, not 131.
-template <int TYPE, int THREADS, int COPY>
+// ROWS: the most input rows (a.nrows) it takes; each lane keeps a sum per
+// row, and a weight copied once serves them all (the Q6_K head: Q4_0
+// passes of several rows run on gemvMMA).
+template <int TYPE, int THREADS, int COPY, int ROWS>
 __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
+	static_assert(TYPE == MF_Q6_K || ROWS == 1, "Q4_0 passes of several rows run on gemvMMA");
 	constexpr int kThreads = THREADS, kWarps = THREADS / 32;
 	constexpr int kMaxChunks = TYPE == MF_Q4_0 ? 9 : 14; // 16-byte copies a lane makes per step
 	extern __shared__ __align__(16) uint8_t smem[];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	uint8_t *stages = smem + warp * 2 * a.stageBytes;
 	int8_t *xq = reinterpret_cast<int8_t *>(smem + kWarps * 2 * a.stageBytes);
-	float2 *xds = reinterpret_cast<float2 *>(xq + a.k);
-	float *red = reinterpret_cast<float *>(xds + a.k / 32);
-	float *normS = red + 16; // the norm's weights, copied before the wait: k floats
+	float2 *xds = reinterpret_cast<float2 *>(xq + ROWS * a.k);
+	float *red = reinterpret_cast<float *>(xds + ROWS * (a.k / 32));
+	float *normS = red + kRed; // the norm's weights, copied before the wait: k floats
 
 	const int slotStride = a.group * a.sbBytes;
 	const int units = (a.total + a.unitRows - 1) / a.unitRows;
@@ -391,10 +563,15 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 	};
 	if (a.debug & 1)
 		afterLoads();
-	else
+	else if constexpr (ROWS == 1)
 		quantizeInput<THREADS>(a, xq, xds, red, a.normDirect ? a.norm : normS, afterLoads);
+	else
+		quantizeRows<THREADS>(a, xq, xds, red, a.normDirect ? a.norm : normS, afterLoads);
 
-	float acc = 0.f, mine = 0.f; // lane i ends a unit with the sum of its row i
+	// Lane i ends a unit with the sums of its matrix row i, one per input row.
+	float acc[ROWS], mine[ROWS];
+#pragma unroll
+	for (int r = 0; r < ROWS; r++) acc[r] = mine[r] = 0.f;
 	for (int k = 0; k < steps; k++) {
 		issue(k + 1);
 		cpAsyncWait<1>();
@@ -412,29 +589,192 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 					const uint4 t = reinterpret_cast<const uint4 *>(w)[i];
 					W[4 * i] = t.x, W[4 * i + 1] = t.y, W[4 * i + 2] = t.z, W[4 * i + 3] = t.w;
 				}
-				acc += dotQ4SB(W, sb, xq, xds);
+				acc[0] += dotQ4SB(W, sb, xq, xds);
+			} else if constexpr (ROWS == 1) {
+				acc[0] += dotQ6Half(w, 0, sb, xq, xds) + dotQ6Half(w, 1, sb, xq, xds);
 			} else {
-				acc += dotQ6Half(w, 0, sb, xq, xds) + dotQ6Half(w, 1, sb, xq, xds);
+				float h0[ROWS], h1[ROWS];
+				dotQ6HalfRows<ROWS>(w, 0, sb, xq, xds, a.k, a.nrows, h0);
+				dotQ6HalfRows<ROWS>(w, 1, sb, xq, xds, a.k, a.nrows, h1);
+#pragma unroll
+				for (int r = 0; r < ROWS; r++)
+					if (r < a.nrows) acc[r] += h0[r] + h1[r];
 			}
 		}
 		__syncwarp(); // the stage is copied into again by the next step's issue
 		if (pass < a.passes - 1) continue;
 		for (int sl = 0; sl < a.rpp; sl++) {
-			const float t = warpSum(mySlot == sl ? acc : 0.f);
-			if (lane == round * a.rpp + sl) mine = t;
+#pragma unroll
+			for (int r = 0; r < ROWS; r++) {
+				if (ROWS > 1 && r >= a.nrows) break;
+				const float t = warpSum(mySlot == sl ? acc[r] : 0.f);
+				if (lane == round * a.rpp + sl) mine[r] = t;
+			}
 		}
-		acc = 0.f;
+#pragma unroll
+		for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
 		if (round < rounds - 1) continue;
 		const int v = unit * a.unitRows + lane;
-		if (a.epi == kSwiGLU) {
-			const float up = __shfl_down_sync(0xffffffffu, mine, 1);
-			if (lane < a.unitRows && !(lane & 1) && v < a.total) a.y[v >> 1] = mine / (1.f + __expf(-mine)) * up;
-		} else if (lane < a.unitRows && v < a.total) {
-			if (a.epi == kAdd)
-				a.y[v] += mine;
-			else
-				a.y[v] = mine + biasAt(a, v);
+#pragma unroll
+		for (int r = 0; r < ROWS; r++) {
+			if (ROWS > 1 && r >= a.nrows) break;
+			float *y = a.y + (size_t)r * a.yStride;
+			if (a.epi == kSwiGLU) {
+				const float up = __shfl_down_sync(0xffffffffu, mine[r], 1);
+				if (lane < a.unitRows && !(lane & 1) && v < a.total) y[v >> 1] = mine[r] / (1.f + __expf(-mine[r])) * up;
+			} else if (lane < a.unitRows && v < a.total) {
+				if (a.epi == kAdd)
+					y[v] += mine[r];
+				else
+					y[v] = mine[r] + biasAt(a, v);
+			}
 		}
+	}
+	cpAsyncWait<0>();
+}
+
+// The mat-vec of several rows (2 to kMaxRows) for Q4_0 matrices, on the
+// tensor cores: for 16 matrix rows and each block of 32 columns, one int8
+// mma.m16n8k32 multiplies them by the block of all eight input rows
+// (columns of B); the integer sums are exact, and each
+// is scaled as dotQ4SB scales its own. dp4a, with a lane's sums for every
+// row, left the weights' bytes behind: at eight rows the mat-vecs ran at
+// 400-800 GB/s (run 71). A row's result does not depend on the other rows
+// of the pass; the order of its sums differs from the one-row kernel's.
+// Weights come into shared memory as in gemv: a stage is 16 rows × 256
+// columns (8 blocks, 144 bytes a row), kMmaStages of them in flight a warp.
+constexpr int kMmaRows = 16, kMmaStageBytes = kMmaRows * 8 * kQ4Bytes, kMmaStages = 3;
+
+__device__ __forceinline__ void mma16x8x32(const uint32_t (&A)[4], uint32_t b0, uint32_t b1, int (&C)[4]) {
+	asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+	             : "=r"(C[0]), "=r"(C[1]), "=r"(C[2]), "=r"(C[3])
+	             : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a) {
+	constexpr int kWarps = THREADS / 32;
+	constexpr int kRowBytes = 8 * kQ4Bytes, kStageBytes = kMmaStageBytes, kPieces = kRowBytes / 16;
+	extern __shared__ __align__(16) uint8_t smem[];
+	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	const int g = lane >> 2, q = lane & 3; // the mma's groupID and thread in group
+	uint8_t *stages = smem + warp * kMmaStages * kStageBytes;
+	int8_t *xq = reinterpret_cast<int8_t *>(smem + kWarps * kMmaStages * kStageBytes);
+	float2 *xds = reinterpret_cast<float2 *>(xq + a.rowsCap * a.xqRow);
+	float *red = reinterpret_cast<float *>(xds + a.rowsCap * a.xdsRow);
+	float4 *part = reinterpret_cast<float4 *>(red + kRed); // [kWarps][32]: each warp's share of a unit
+	float *normS = reinterpret_cast<float *>(part + kWarps * 32);
+
+	// A block takes units of 16 matrix rows; its warps share each unit's
+	// columns, a super-block (256) a step, each warp a run of steps of its
+	// own, and their sums meet in shared memory in warp order. One warp a
+	// unit left most warps idle (a matrix of 4096 rows is 256 units) and
+	// ran at 220-410 GB/s (run 72). Copying two super-blocks a step, or
+	// keeping six steps in flight, changed nothing (run 75).
+	const int S = a.k / 256; // steps a unit takes
+	const int s0 = warp * S / kWarps, per = (warp + 1) * S / kWarps - s0;
+	const int units = (a.total + kMmaRows - 1) / kMmaRows;
+	const int nu = (int)blockIdx.x < units ? (units - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+	const int steps = nu * per;
+	auto issue = [&](int k) {
+		if (k < steps) {
+			const int unit = blockIdx.x + (k / per) * gridDim.x, sb = s0 + k % per;
+			uint8_t *dst = stages + (k % kMmaStages) * kStageBytes;
+#pragma unroll
+			for (int i = 0; i < (kMmaRows * kPieces + 31) / 32; i++) {
+				const int c = lane + 32 * i;
+				if (c < kMmaRows * kPieces) {
+					const int row = c / kPieces, piece = c % kPieces;
+					const int v = min(unit * kMmaRows + row, a.total - 1);
+					cpAsync16(dst + row * kRowBytes + piece * 16, rowPtr(a, v) + (size_t)sb * 8 * kQ4Bytes + piece * 16);
+				}
+			}
+		}
+		cpAsyncCommit();
+	};
+	const bool normShared = a.norm && !a.normDirect;
+	if (normShared) {
+		for (int i = threadIdx.x; i < a.k / 4; i += THREADS) cpAsync16(normS + 4 * i, a.norm + 4 * i);
+		cpAsyncCommit();
+	}
+	pdlLaunchNext();
+	pdlWait();
+	auto afterLoads = [&]() {
+#pragma unroll
+		for (int k = 0; k < kMmaStages - 1; k++) issue(k);
+		if (normShared) {
+			cpAsyncWait<kMmaStages - 1>(); // the norm's copy, committed before the stages'
+			__syncthreads();
+		}
+	};
+	if (a.debug & 1)
+		afterLoads();
+	else
+		quantizeRows<THREADS>(a, xq, xds, red, a.normDirect ? a.norm : normS, afterLoads);
+
+	const bool live = g < a.nrows; // B's column g: input row g
+	const int8_t *xg = xq + g * a.xqRow; // rows a.xqRow apart: the eight rows' words in different banks
+	const bool live0 = 2 * q < a.nrows, live1 = 2 * q + 1 < a.nrows; // C's columns
+	for (int u = 0; u < nu; u++) {
+		float acc[4] = {0.f, 0.f, 0.f, 0.f}; // rows g, g+8 of the unit × input rows 2q, 2q+1
+		for (int j = 0; j < per; j++) {
+			const int k = u * per + j;
+			issue(k + kMmaStages - 1);
+			cpAsyncWait<kMmaStages - 1>();
+			__syncwarp();
+			const uint8_t *st = stages + (k % kMmaStages) * kStageBytes;
+			const int sb = s0 + j;
+#pragma unroll
+			for (int bi = 0; bi < 8; bi++) {
+				if (a.debug & 2) break;
+				const uint8_t *w0 = st + g * kRowBytes + bi * kQ4Bytes, *w1 = w0 + 8 * kRowBytes;
+				const uint32_t q0 = u32At2(w0 + 2 + 4 * q), q1 = u32At2(w1 + 2 + 4 * q);
+				const uint32_t A[4] = {q0 & 0x0f0f0f0fu, q1 & 0x0f0f0f0fu, (q0 >> 4) & 0x0f0f0f0fu, (q1 >> 4) & 0x0f0f0f0fu};
+				const uint32_t b0 = live ? *reinterpret_cast<const uint32_t *>(xqChunk(xg, sb, 2 * bi) + 4 * q) : 0u;
+				const uint32_t b1 = live ? *reinterpret_cast<const uint32_t *>(xqChunk(xg, sb, 2 * bi + 1) + 4 * q) : 0u;
+				int C[4];
+				mma16x8x32(A, b0, b1, C);
+				const float d0 = halfAt(w0), d1 = halfAt(w1);
+				const float2 e0 = live0 ? xdsAt(xds + (2 * q) * a.xdsRow, sb, bi) : make_float2(0.f, 0.f);
+				const float2 e1 = live1 ? xdsAt(xds + (2 * q + 1) * a.xdsRow, sb, bi) : make_float2(0.f, 0.f);
+				acc[0] = fmaf(d0, fmaf(e0.x, (float)C[0], -8.f * e0.y), acc[0]);
+				acc[1] = fmaf(d0, fmaf(e1.x, (float)C[1], -8.f * e1.y), acc[1]);
+				acc[2] = fmaf(d1, fmaf(e0.x, (float)C[2], -8.f * e0.y), acc[2]);
+				acc[3] = fmaf(d1, fmaf(e1.x, (float)C[3], -8.f * e1.y), acc[3]);
+			}
+			__syncwarp(); // the stage is copied into again
+		}
+		part[warp * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+		__syncthreads();
+		if (warp == 0) {
+			float4 t = part[lane];
+			for (int w = 1; w < kWarps; w++) {
+				const float4 o = part[w * 32 + lane];
+				t.x += o.x, t.y += o.y, t.z += o.z, t.w += o.w;
+			}
+			const float sum[4] = {t.x, t.y, t.z, t.w};
+			const int unit = blockIdx.x + u * gridDim.x;
+#pragma unroll
+			for (int hh = 0; hh < 2; hh++) {
+				const int v = unit * kMmaRows + g + 8 * hh;
+#pragma unroll
+				for (int jj = 0; jj < 2; jj++) {
+					const int n = 2 * q + jj;
+					const float r = sum[2 * hh + jj];
+					float *y = a.y + (size_t)n * a.yStride;
+					if (a.epi == kSwiGLU) {
+						const float up = __shfl_down_sync(0xffffffffu, r, 4); // row v+1: lane + 4
+						if (!(g & 1) && n < a.nrows && v < a.total) y[v >> 1] = r / (1.f + __expf(-r)) * up;
+					} else if (n < a.nrows && v < a.total) {
+						if (a.epi == kAdd)
+							y[v] += r;
+						else
+							y[v] = r + biasAt(a, v);
+					}
+				}
+			}
+		}
+		__syncthreads(); // part is written again
 	}
 	cpAsyncWait<0>();
 }
@@ -454,12 +794,12 @@ template <int D> __device__ __forceinline__ void loadHalves(const __half *p, flo
 }
 
 struct AttnArgs {
-	const float *qkv; // q [n_head*hd], k, v [n_kv*hd]
+	const float *qkv; // by row: q [n_head*hd], k, v [n_kv*hd]
 	__half *kc, *vc;
 	const int *params;
-	float *out;
-	float *part; // [n_head][kSplits][hd+2]
-	int *counter;
+	float *out;  // by row: [n_head*hd]
+	float *part; // by row: [n_head][kSplits][hd+2]
+	int *counter; // by row: [n_head]
 	int nHead, nKV;
 	int cellsPerSplit; // cells a block takes, until maxSplits blocks share a head
 	int maxSplits;     // at most kSplits: by default as many as let all heads run at once
@@ -467,7 +807,7 @@ struct AttnArgs {
 	float ropeBase, freqScale, scale;
 };
 
-// One block per (head, split). Ropes q and the new k, writes the new K and
+// One block per (head, split, row). Ropes q and the new k, writes the new K and
 // V to their cell (one block per KV head does), and attends over its share
 // of the cells with an online softmax; the last split of a head to finish
 // merges the partial results.
@@ -481,10 +821,15 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	// cells' K and V (written by earlier steps) are ready before the
 	// kernel before this one ends: a warp's first cells are loaded while
 	// it does, leaving only q, k and v on the path after the wait.
-	const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
+	const int h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, row = blockIdx.z;
 	const int g = h / (a.nHead / a.nKV);
-	const int pos = a.params[0], loc = a.params[1], n = a.params[2];
-	const int *cells = a.params + kParams;
+	const int *prm = a.params + row * kParams;
+	const int pos = prm[0], loc = prm[1], n = prm[2];
+	const int *cells = a.params + kMaxRows * kParams + prm[4];
+	const float *qkv = a.qkv + (size_t)row * (a.nHead + 2 * a.nKV) * HD;
+	float *out = a.out + (size_t)row * a.nHead * HD;
+	float *part = a.part + (size_t)row * a.nHead * kSplits * (HD + 2);
+	int *counter = a.counter + row * a.nHead;
 	// Only as many splits as the cells need: each costs a partial result
 	// and a share of the merge.
 	const int active = min(a.maxSplits, max(1, (n + a.cellsPerSplit - 1) / a.cellsPerSplit));
@@ -512,9 +857,9 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 
 	if (tid < HD / 2) {
 		const int i = tid;
-		const float *qh = a.qkv + h * HD;
-		const float *kh = a.qkv + a.nHead * HD + g * HD;
-		const float *vh = a.qkv + (a.nHead + a.nKV) * HD + g * HD;
+		const float *qh = qkv + h * HD;
+		const float *kh = qkv + a.nHead * HD + g * HD;
+		const float *vh = qkv + (a.nHead + a.nKV) * HD + g * HD;
 		// The pair rotated together: 2i and 2i+1, or (NeoX) i and i+HD/2.
 		const int i0 = a.neox ? i : 2 * i, i1 = a.neox ? i + HD / 2 : 2 * i + 1;
 		float x0 = qh[i0], x1 = qh[i1];
@@ -589,7 +934,7 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 #pragma unroll
 	for (int d = 0; d < D; d++) wacc[warp][lane * D + d] = acc[d];
 	__syncthreads();
-	float *mine = a.part + ((size_t)h * kSplits + s) * (HD + 2);
+	float *mine = part + ((size_t)h * kSplits + s) * (HD + 2);
 	if (tid < HD) {
 		float M = -INFINITY;
 		for (int w = 0; w < kAttnThreads / 32; w++) M = fmaxf(M, wm[w]);
@@ -600,7 +945,7 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 				L += wl[w] * c, A += wacc[w][tid] * c;
 			}
 		if (active == 1) {
-			a.out[h * HD + tid] = A / L;
+			out[h * HD + tid] = A / L;
 		} else {
 			mine[2 + tid] = A;
 			if (tid == 0) mine[0] = M, mine[1] = L;
@@ -609,7 +954,7 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	if (active == 1) return;
 	__threadfence();
 	__syncthreads();
-	if (tid == 0) last = atomicAdd(a.counter + h, 1) == active - 1;
+	if (tid == 0) last = atomicAdd(counter + h, 1) == active - 1;
 	__syncthreads();
 	if (!last) return;
 	__threadfence();
@@ -617,7 +962,7 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	// loop over the splits waited for each one's L2 load before the next:
 	// with it and two waves of blocks, attention at 576 cells took 10.9 us,
 	// 7.2 without (run 55).
-	const float *all = a.part + (size_t)h * kSplits * (HD + 2);
+	const float *all = part + (size_t)h * kSplits * (HD + 2);
 	float *wsplit = &wacc[0][0]; // each split's weight; the warps' sums are read
 	if (warp == 0) {
 		const float mi = lane < active ? __ldcg(all + lane * (HD + 2)) : -INFINITY;
@@ -644,15 +989,16 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 		float A = 0.f;
 #pragma unroll
 		for (int i = 0; i < kQ; i++) A += sums[i * HD + tid];
-		a.out[h * HD + tid] = A;
+		out[h * HD + tid] = A;
 	}
-	if (tid == 0) a.counter[h] = 0;
+	if (tid == 0) counter[h] = 0;
 }
 
-// The token's row of the embedding table, as floats.
-__global__ void embed(const uint8_t *table, int type, int k, const int *params, float *x) {
-	const uint8_t *row = table + (size_t)params[3] * rowBytes(type, k);
-	for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < k; i += gridDim.x * blockDim.x) {
+// Each row's token's row of the embedding table, as floats.
+__global__ void embed(const uint8_t *table, int type, int k, const int *params, float *x, int nrows) {
+	for (int at = blockIdx.x * blockDim.x + threadIdx.x; at < nrows * k; at += gridDim.x * blockDim.x) {
+		const int i = at % k;
+		const uint8_t *row = table + (size_t)params[(at / k) * kParams + 3] * rowBytes(type, k);
 		float v = 0.f;
 		switch (type) {
 		case MF_F32: v = reinterpret_cast<const float *>(row)[i]; break;
@@ -675,7 +1021,7 @@ __global__ void embed(const uint8_t *table, int type, int k, const int *params, 
 			break;
 		}
 		}
-		x[i] = v;
+		x[at] = v;
 	}
 }
 
@@ -686,19 +1032,29 @@ struct mf_engine {
 	mf_layer *layers = nullptr;
 	int sms = 0, first = 0, last = 0;
 	cudaStream_t stream = nullptr;
-	cudaGraphExec_t exec = nullptr;
+	// exec[n]: the graph of a pass of n rows, made at its first use.
+	cudaGraphExec_t exec[kMaxRows + 1] = {};
+	// maxRows: the most rows a pass takes, by the shared memory the
+	// mat-vecs' inputs need (see fitShape), or MESHNODE_FUSED_ROWS.
+	int maxRows = 1;
 	float *x = nullptr, *qkv = nullptr, *att = nullptr, *act = nullptr, *logits = nullptr, *part = nullptr;
 	int *counter = nullptr, *params = nullptr;
 	int *hostParams = nullptr; // pinned
 	float *hostIO = nullptr;   // pinned: hidden in, and out
 	int pdl = 1;
-	int smemSM = 0; // shared memory per multiprocessor
+	int smemSM = 0;    // shared memory per multiprocessor
+	int smemOptin = 0; // shared memory a block may have
 	int late = 1;   // GemvArgs.late, from MESHNODE_FUSED_LATE (run 47: 1.5 us a layer)
 	int attnCells = kCellsPerSplit; // AttnArgs.cellsPerSplit, from MESHNODE_FUSED_ATTN_CELLS
 	// AttnArgs.maxSplits: splits per head that let every head's blocks run
 	// in one wave (MESHNODE_FUSED_ATTN_WAVES=0: kSplits). Run 54, 576
 	// cells: 9 splits of 64 cells (two waves) took 9.1 us, 6 of 96 6.7.
 	int attnSplits = kSplits;
+	// attnSplitsRows: the same for passes of several rows, whose blocks
+	// are as many more (a quarter of attnSplits, or
+	// MESHNODE_FUSED_ATTN_ROWS_SPLITS). Every such pass splits alike, so
+	// that a row's result does not depend on the rows beside it.
+	int attnSplitsRows = kSplits;
 	// The mat-vecs' block shape, from MESHNODE_FUSED_THREADS: 0 the mix of
 	// gemvShape, else every mat-vec in blocks of 256 or 512 threads.
 	int threads = 0;
@@ -741,8 +1097,15 @@ int copyWidth(const GemvArgs &a) {
 	return 0;
 }
 
-// The kernel's shape for a matrix of k columns.
-void gemvShape(GemvArgs &a, int type, int k, int epi, int threads) {
+// The kernel's shape for a matrix of k columns and up to rows input rows.
+void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1) {
+	a.rowsCap = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : kMaxRows;
+	a.nrows = rows < 1 ? 1 : rows;
+	a.mma = rows > 1 && type == MF_Q4_0;
+	// gemvMMA's rows of the input, padded: the eight rows' words, and four
+	// rows' scales, then sit in different banks.
+	a.xqRow = a.mma ? k + 16 : k;
+	a.xdsRow = a.mma ? k / 32 + 2 : k / 32;
 	a.type = type;
 	a.k = k;
 	a.rowBytes = (int)rowBytes(type, k);
@@ -758,10 +1121,12 @@ void gemvShape(GemvArgs &a, int type, int k, int epi, int threads) {
 	a.copyBytes = copyWidth(a);
 	a.threads = type == MF_Q6_K || k > 8192 ? kWideThreads : kThreads;
 	if (threads && type == MF_Q4_0) a.threads = threads; // the Q6_K head has only the wide kernel
+	if (a.mma) a.threads = kThreads, a.stageBytes = kMmaStageBytes;
 }
 
 size_t gemvSmem(const GemvArgs &a) {
-	return (size_t)(a.threads / 32) * 2 * a.stageBytes + (size_t)a.k + (size_t)a.k / 32 * sizeof(float2) + 16 * sizeof(float) +
+	return (size_t)(a.threads / 32) * (a.mma ? kMmaStages * a.stageBytes + 32 * sizeof(float4) : 2 * a.stageBytes) +
+	       (size_t)a.rowsCap * (a.xqRow + a.xdsRow * sizeof(float2)) + kRed * sizeof(float) +
 	       (a.norm && !a.normDirect ? (size_t)a.k * sizeof(float) : 0);
 }
 
@@ -772,6 +1137,45 @@ size_t gemvSmem(const GemvArgs &a) {
 void placeNorm(GemvArgs &a, int smemPerSM) {
 	a.normDirect = 0;
 	if (a.norm && (size_t)blocksOf(a.threads) * (gemvSmem(a) + 1024) > (size_t)smemPerSM) a.normDirect = 1;
+}
+
+
+// fitShape places the norm, and for several rows narrows wide blocks whose
+// stage buffers leave no room for the rows' inputs. It says whether the
+// shape fits in a block's shared memory.
+bool fitShape(GemvArgs &a, int smemPerSM, int optin) {
+	placeNorm(a, smemPerSM);
+	if (a.rowsCap > 1 && a.threads == kWideThreads && gemvSmem(a) > (size_t)optin) {
+		a.threads = kThreads;
+		placeNorm(a, smemPerSM);
+	}
+	if (a.norm && gemvSmem(a) > (size_t)optin) a.normDirect = 1;
+	return gemvSmem(a) <= (size_t)optin;
+}
+
+// Blocks of the shape a multiprocessor holds at once.
+int blocksPerSM(const GemvArgs &a, int smemPerSM) {
+	return std::max(1, std::min(blocksOf(a.threads), smemPerSM / (int)(gemvSmem(a) + 1024)));
+}
+
+// The kernel for a type, block size, copy width and rows.
+template <int TYPE, int THREADS, int COPY> void (*gemvByRows(int rowsCap))(GemvArgs) {
+	switch (rowsCap) {
+	case 1: return gemv<TYPE, THREADS, COPY, 1>;
+	case 2: return gemv<TYPE, THREADS, COPY, 2>;
+	case 4: return gemv<TYPE, THREADS, COPY, 4>;
+	default: return gemv<TYPE, THREADS, COPY, kMaxRows>;
+	}
+}
+template <int THREADS> void (*gemvByType(const GemvArgs &a))(GemvArgs) {
+	if (a.type == MF_Q4_0) return gemv<MF_Q4_0, THREADS, 16, 1>; // one row: several go to gemvMMA
+	if (a.copyBytes == 16) return gemvByRows<MF_Q6_K, THREADS, 16>(a.rowsCap);
+	if (a.copyBytes == 8) return gemvByRows<MF_Q6_K, THREADS, 8>(a.rowsCap);
+	return gemvByRows<MF_Q6_K, THREADS, 4>(a.rowsCap);
+}
+void (*gemvFor(const GemvArgs &a))(GemvArgs) {
+	if (a.mma) return gemvMMA<kThreads>;
+	return a.threads == kWideThreads ? gemvByType<kWideThreads>(a) : gemvByType<kThreads>(a);
 }
 
 int gemvDebug = 0;
@@ -785,61 +1189,81 @@ __global__ void streamRead(const uint4 *p, size_t n, unsigned *sink) {
 	if (acc == 0x12345678u) *sink = acc;
 }
 
-void launchGemv(mf_engine *e, const void *w0, const void *w1, const void *w2, int r0, int r1, int r2, int k,
-                int type, const float *x, const float *norm, float *y, int epi, const void *const *bias = nullptr) {
+// launchGemv queues y = W x for nrows inputs: row r of x at r*k, of y at
+// r*yStride.
+void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const void *w2, int r0, int r1, int r2, int k,
+                int type, const float *x, const float *norm, float *y, int yStride, int epi, const void *const *bias = nullptr) {
 	GemvArgs a{};
 	a.debug = gemvDebug;
 	a.w[0] = (const uint8_t *)w0, a.w[1] = (const uint8_t *)w1, a.w[2] = (const uint8_t *)w2;
 	a.rows[0] = r0, a.rows[1] = r1, a.rows[2] = r2;
 	a.nmat = w2 ? 3 : (w1 ? 2 : 1);
 	a.total = r0 + r1 + r2;
-	gemvShape(a, type, k, epi, e->threads);
+	gemvShape(a, type, k, epi, e->threads, nrows);
 	a.x = x, a.norm = norm, a.eps = e->c.eps, a.y = y;
+	a.xStride = k, a.yStride = yStride;
 	for (int i = 0; bias && i < 3; i++) a.bias[i] = (const float *)bias[i];
-	placeNorm(a, e->smemSM);
+	fitShape(a, e->smemSM, e->smemOptin); // mf_create checked that it fits (maxRows)
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
-	const int blocks = e->sms * blocksOf(a.threads);
-	if (type == MF_Q6_K)
-		launch(e, a.copyBytes == 16 ? gemv<MF_Q6_K, kWideThreads, 16> : a.copyBytes == 8 ? gemv<MF_Q6_K, kWideThreads, 8> : gemv<MF_Q6_K, kWideThreads, 4>,
-		       blocks, a.threads, gemvSmem(a), a);
-	else if (a.threads == kWideThreads)
-		launch(e, gemv<MF_Q4_0, kWideThreads, 16>, blocks, a.threads, gemvSmem(a), a);
-	else
-		launch(e, gemv<MF_Q4_0, kThreads, 16>, blocks, a.threads, gemvSmem(a), a);
+	launch(e, gemvFor(a), e->sms * blocksPerSM(a, e->smemSM), a.threads, gemvSmem(a), a);
 }
 
-void launchAttention(mf_engine *e, const mf_layer &L) {
+void launchAttention(mf_engine *e, const mf_layer &L, int nrows) {
 	AttnArgs a{};
 	a.qkv = e->qkv, a.kc = (__half *)L.k, a.vc = (__half *)L.v, a.params = e->params, a.out = e->att;
 	a.part = e->part, a.counter = e->counter, a.nHead = e->c.n_head, a.nKV = e->c.n_kv_head;
-	a.cellsPerSplit = e->attnCells, a.maxSplits = e->attnSplits;
+	a.cellsPerSplit = e->attnCells, a.maxSplits = nrows > 1 ? e->attnSplitsRows : e->attnSplits;
 	a.neox = e->c.rope_neox;
 	a.ropeBase = e->c.rope_base, a.freqScale = e->c.rope_freq_scale;
 	a.scale = 1.f / sqrtf((float)e->c.head_dim);
-	dim3 grid(e->c.n_head, kSplits);
+	dim3 grid(e->c.n_head, kSplits, nrows);
 	if (e->c.head_dim == 128)
 		launch(e, attention<128>, grid, kAttnThreads, 0, a);
 	else
 		launch(e, attention<64>, grid, kAttnThreads, 0, a);
 }
 
-// The step's kernels, captured once into a graph.
-void enqueue(mf_engine *e) {
+// A pass's kernels for n rows, captured once into a graph.
+void enqueue(mf_engine *e, int n) {
 	const mf_config &c = e->c;
 	const int qd = c.n_head * c.head_dim, kvd = c.n_kv_head * c.head_dim;
-	if (e->first) embed<<<(c.embd + 255) / 256, 256, 0, e->stream>>>((const uint8_t *)c.tok_embd, c.embd_type, c.embd, e->params, e->x);
+	if (e->first)
+		embed<<<(n * c.embd + 255) / 256, 256, 0, e->stream>>>((const uint8_t *)c.tok_embd, c.embd_type, c.embd, e->params, e->x, n);
 	for (int i = 0; i < c.n_layer; i++) {
 		const mf_layer &L = e->layers[i];
 		const void *bias[3] = {L.bq, L.bk, L.bv};
-		launchGemv(e, L.wq, L.wk, L.wv, qd, kvd, kvd, c.embd, MF_Q4_0, e->x, (const float *)L.attn_norm, e->qkv, kStore,
-		           L.bq ? bias : nullptr);
-		launchAttention(e, L);
-		launchGemv(e, L.wo, nullptr, nullptr, c.embd, 0, 0, qd, MF_Q4_0, e->att, nullptr, e->x, kAdd);
-		launchGemv(e, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, kSwiGLU);
-		launchGemv(e, L.down, nullptr, nullptr, c.embd, 0, 0, c.ffn, MF_Q4_0, e->act, nullptr, e->x, kAdd);
+		launchGemv(e, n, L.wq, L.wk, L.wv, qd, kvd, kvd, c.embd, MF_Q4_0, e->x, (const float *)L.attn_norm, e->qkv, qd + 2 * kvd,
+		           kStore, L.bq ? bias : nullptr);
+		launchAttention(e, L, n);
+		launchGemv(e, n, L.wo, nullptr, nullptr, c.embd, 0, 0, qd, MF_Q4_0, e->att, nullptr, e->x, c.embd, kAdd);
+		launchGemv(e, n, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, c.ffn,
+		           kSwiGLU);
+		launchGemv(e, n, L.down, nullptr, nullptr, c.embd, 0, 0, c.ffn, MF_Q4_0, e->act, nullptr, e->x, c.embd, kAdd);
 	}
 	if (e->last)
-		launchGemv(e, c.output, nullptr, nullptr, c.vocab, 0, 0, c.embd, c.out_type, e->x, (const float *)c.out_norm, e->logits, kStore);
+		launchGemv(e, n, c.output, nullptr, nullptr, c.vocab, 0, 0, c.embd, c.out_type, e->x, (const float *)c.out_norm, e->logits,
+		           c.vocab, kStore);
+}
+
+// graphFor returns the graph of a pass of n rows, capturing it at first use.
+cudaError_t graphFor(mf_engine *e, int n, cudaGraphExec_t *out) {
+	if (!e->exec[n]) {
+		cudaGraph_t graph;
+		cudaError_t ce = cudaStreamBeginCapture(e->stream, cudaStreamCaptureModeThreadLocal);
+		if (ce != cudaSuccess) return ce;
+		enqueue(e, n);
+		ce = cudaGetLastError();
+		const cudaError_t endErr = cudaStreamEndCapture(e->stream, &graph);
+		if (ce != cudaSuccess || endErr != cudaSuccess) return ce != cudaSuccess ? ce : endErr;
+		ce = cudaGraphInstantiateWithFlags(&e->exec[n], graph, 0);
+		cudaGraphDestroy(graph);
+		if (ce != cudaSuccess) {
+			e->exec[n] = nullptr;
+			return ce;
+		}
+	}
+	*out = e->exec[n];
+	return cudaSuccess;
 }
 
 #define CK(call)                                                                                                   \
@@ -922,69 +1346,74 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	}
 	CE(cudaSetDevice(e->c.device));
 	CE(cudaDeviceGetAttribute(&e->sms, cudaDevAttrMultiProcessorCount, e->c.device));
-	int smemOptin = 0;
-	CE(cudaDeviceGetAttribute(&smemOptin, cudaDevAttrMaxSharedMemoryPerBlockOptin, e->c.device));
+	CE(cudaDeviceGetAttribute(&e->smemOptin, cudaDevAttrMaxSharedMemoryPerBlockOptin, e->c.device));
 	CE(cudaDeviceGetAttribute(&e->smemSM, cudaDevAttrMaxSharedMemoryPerMultiprocessor, e->c.device));
 	const mf_config &c = e->c;
 	const int qd = c.n_head * c.head_dim, kvd = c.n_kv_head * c.head_dim;
-	size_t need = 0;
-	for (int k : {c.embd, c.ffn, qd}) {
-		GemvArgs a{};
-		gemvShape(a, MF_Q4_0, k, kSwiGLU, e->threads);
-		a.norm = c.layers[0].ffn_norm ? (const float *)c.layers[0].ffn_norm : nullptr; // sizes with a norm
-		placeNorm(a, e->smemSM);
-		need = need > gemvSmem(a) ? need : gemvSmem(a);
-	}
-	if (e->last) {
-		GemvArgs a{};
-		gemvShape(a, c.out_type, c.embd, kStore, e->threads);
-		a.norm = (const float *)c.out_norm;
-		placeNorm(a, e->smemSM);
-		need = need > gemvSmem(a) ? need : gemvSmem(a);
-	}
-	if (need > (size_t)smemOptin) {
-		errf(err, errlen, "the mat-vec kernel needs %zu bytes of shared memory, the device gives %d", need, smemOptin);
+	// Every mat-vec's shape, with a norm where it has one, must fit a
+	// block's shared memory: for one row, or the engine fails; for more,
+	// maxRows is the most that fit.
+	auto fits = [&](int rows) {
+		struct {
+			int type, k;
+			const void *norm;
+		} shapes[] = {{MF_Q4_0, c.embd, c.layers[0].attn_norm}, {MF_Q4_0, qd, nullptr}, {MF_Q4_0, c.ffn, nullptr},
+		              {c.out_type, c.embd, c.out_norm}};
+		for (int i = 0; i < (e->last ? 4 : 3); i++) {
+			GemvArgs a{};
+			gemvShape(a, shapes[i].type, shapes[i].k, kStore, e->threads, rows);
+			a.norm = (const float *)shapes[i].norm;
+			if (!fitShape(a, e->smemSM, e->smemOptin)) return false;
+		}
+		return true;
+	};
+	if (!fits(1)) {
+		errf(err, errlen, "the mat-vec kernel needs more shared memory than the device's %d bytes a block", e->smemOptin);
 		return fail();
 	}
-	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kThreads, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
-	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kWideThreads, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
-	CE(cudaFuncSetAttribute(gemv<MF_Q6_K, kWideThreads, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
-	CE(cudaFuncSetAttribute(gemv<MF_Q6_K, kWideThreads, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
-	CE(cudaFuncSetAttribute(gemv<MF_Q6_K, kWideThreads, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)need));
+	int rowsWanted = kMaxRows;
+	if (const char *v = getenv("MESHNODE_FUSED_ROWS")) rowsWanted = std::max(1, std::min(kMaxRows, atoi(v)));
+	for (int rows : {kMaxRows, 4, 2})
+		if (rows <= rowsWanted && fits(rows)) {
+			e->maxRows = rows;
+			break;
+		}
+	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kThreads, 16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
+	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kWideThreads, 16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
+	for (int cap : {1, 2, 4, kMaxRows}) {
+		for (auto k : {gemvByRows<MF_Q6_K, kThreads, 16>(cap), gemvByRows<MF_Q6_K, kThreads, 8>(cap),
+		               gemvByRows<MF_Q6_K, kThreads, 4>(cap), gemvByRows<MF_Q6_K, kWideThreads, 16>(cap),
+		               gemvByRows<MF_Q6_K, kWideThreads, 8>(cap), gemvByRows<MF_Q6_K, kWideThreads, 4>(cap)})
+			CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
+	}
+	CE(cudaFuncSetAttribute(gemvMMA<kThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
 	{
 		int perSM = 0;
 		CE(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSM, c.head_dim == 128 ? attention<128> : attention<64>, kAttnThreads, 0));
 		int waves = 1;
 		if (const char *v = getenv("MESHNODE_FUSED_ATTN_WAVES")) waves = atoi(v);
 		if (waves > 0) e->attnSplits = std::max(1, std::min(kSplits, waves * perSM * e->sms / c.n_head));
+		e->attnSplitsRows = std::max(1, e->attnSplits / 4);
+		if (const char *v = getenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS")) e->attnSplitsRows = std::max(1, std::min(kSplits, atoi(v)));
 	}
+	const int R = kMaxRows;
 	CE(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
-	CE(cudaMalloc(&e->x, sizeof(float) * c.embd));
-	CE(cudaMalloc(&e->qkv, sizeof(float) * (qd + 2 * kvd)));
-	CE(cudaMalloc(&e->att, sizeof(float) * qd));
-	CE(cudaMalloc(&e->act, sizeof(float) * c.ffn));
-	CE(cudaMalloc(&e->part, sizeof(float) * c.n_head * kSplits * (c.head_dim + 2)));
-	CE(cudaMalloc(&e->counter, sizeof(int) * c.n_head));
-	CE(cudaMemset(e->counter, 0, sizeof(int) * c.n_head));
-	CE(cudaMalloc(&e->params, sizeof(int) * (kParams + c.cells)));
-	CE(cudaMallocHost(&e->hostParams, sizeof(int) * (kParams + c.cells)));
+	CE(cudaMalloc(&e->x, sizeof(float) * R * c.embd));
+	CE(cudaMalloc(&e->qkv, sizeof(float) * R * (qd + 2 * kvd)));
+	CE(cudaMalloc(&e->att, sizeof(float) * R * qd));
+	CE(cudaMalloc(&e->act, sizeof(float) * R * c.ffn));
+	CE(cudaMalloc(&e->part, sizeof(float) * R * c.n_head * kSplits * (c.head_dim + 2)));
+	CE(cudaMalloc(&e->counter, sizeof(int) * R * c.n_head));
+	CE(cudaMemset(e->counter, 0, sizeof(int) * R * c.n_head));
+	CE(cudaMalloc(&e->params, sizeof(int) * (R * kParams + (size_t)R * c.cells)));
+	CE(cudaMallocHost(&e->hostParams, sizeof(int) * (R * kParams + (size_t)R * c.cells)));
 	const int io = e->last ? (c.vocab > c.embd ? c.vocab : c.embd) : c.embd;
-	CE(cudaMallocHost(&e->hostIO, sizeof(float) * io));
-	if (e->last) CE(cudaMalloc(&e->logits, sizeof(float) * c.vocab));
+	CE(cudaMallocHost(&e->hostIO, sizeof(float) * R * io));
+	if (e->last) CE(cudaMalloc(&e->logits, sizeof(float) * R * c.vocab));
 
-	cudaGraph_t graph;
-	CE(cudaStreamBeginCapture(e->stream, cudaStreamCaptureModeThreadLocal));
-	enqueue(e);
-	ce = cudaGetLastError();
-	cudaError_t endErr = cudaStreamEndCapture(e->stream, &graph);
-	if (ce != cudaSuccess || endErr != cudaSuccess) {
-		errf(err, errlen, "capturing the decode graph: %s", cudaGetErrorString(ce != cudaSuccess ? ce : endErr));
-		return fail();
-	}
-	ce = cudaGraphInstantiate(&e->exec, graph, 0);
-	cudaGraphDestroy(graph);
-	if (ce != cudaSuccess) {
-		errf(err, errlen, "instantiating the decode graph: %s", cudaGetErrorString(ce));
+	cudaGraphExec_t one;
+	if ((ce = graphFor(e, 1, &one)) != cudaSuccess) {
+		errf(err, errlen, "making the decode graph: %s", cudaGetErrorString(ce));
 		return fail();
 	}
 #undef CE
@@ -992,36 +1421,61 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	return 0;
 }
 
+extern "C" int mf_max_rows(const mf_engine *e) { return e->maxRows; }
+
 extern "C" int mf_step(mf_engine *e, int token, const float *hidden, int pos, int loc, const int32_t *cells, int n,
                        float *out, int out_pinned, char *err, int errlen) {
+	return mf_step_rows(e, 1, &token, hidden, &pos, &loc, cells, &n, out, out_pinned, err, errlen);
+}
+
+extern "C" int mf_step_rows(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos, const int *loc,
+                            const int32_t *cells, const int *ncells, float *out, int out_pinned, char *err, int errlen) {
 	const mf_config &c = e->c;
-	if (n < 0 || n >= c.cells || loc < 0 || loc >= c.cells || pos < 0)
-		return errf(err, errlen, "position %d, cell %d, %d cells: outside the cache's %d", pos, loc, n, c.cells), 1;
-	if (e->first && (token < 0 || token >= c.vocab))
-		return errf(err, errlen, "token %d outside the vocabulary of %d", token, c.vocab), 1;
-	for (int i = 0; i < n; i++)
-		if (cells[i] < 0 || cells[i] >= c.cells || cells[i] == loc)
-			return errf(err, errlen, "cache cell %d (of %d) at %d is not an earlier cell", cells[i], c.cells, i), 1;
+	if (rows < 1 || rows > e->maxRows) return errf(err, errlen, "%d rows in a pass (1 to %d)", rows, e->maxRows), 1;
+	int total = 0;
+	for (int r = 0; r < rows; r++) {
+		const int n = ncells[r];
+		if (n < 0 || n >= c.cells || loc[r] < 0 || loc[r] >= c.cells || pos[r] < 0)
+			return errf(err, errlen, "row %d: position %d, cell %d, %d cells: outside the cache's %d", r, pos[r], loc[r], n, c.cells), 1;
+		if (e->first && (tokens[r] < 0 || tokens[r] >= c.vocab))
+			return errf(err, errlen, "row %d: token %d outside the vocabulary of %d", r, tokens[r], c.vocab), 1;
+		total += n;
+	}
+	// A cell a row attends to must not be one the pass writes.
+	for (int i = 0; i < total; i++) {
+		if (cells[i] < 0 || cells[i] >= c.cells)
+			return errf(err, errlen, "cache cell %d (of %d) at %d is outside the cache", cells[i], c.cells, i), 1;
+		for (int r = 0; r < rows; r++)
+			if (cells[i] == loc[r]) return errf(err, errlen, "cache cell %d (of %d) at %d is not an earlier cell", cells[i], c.cells, i), 1;
+	}
+	for (int r = 0; r < rows; r++)
+		for (int q = 0; q < r; q++)
+			if (loc[q] == loc[r]) return errf(err, errlen, "rows %d and %d both write cache cell %d", q, r, loc[r]), 1;
 	const auto t0 = std::chrono::steady_clock::now();
 	int *hp = e->hostParams;
-	hp[0] = pos, hp[1] = loc, hp[2] = n, hp[3] = token;
-	memcpy(hp + kParams, cells, sizeof(int) * n);
+	for (int r = 0, off = 0; r < rows; off += ncells[r], r++) {
+		int *p = hp + r * kParams;
+		p[0] = pos[r], p[1] = loc[r], p[2] = ncells[r], p[3] = e->first ? tokens[r] : 0, p[4] = off;
+	}
+	memcpy(hp + kMaxRows * kParams, cells, sizeof(int) * total);
 	CK(cudaSetDevice(c.device));
-	CK(cudaMemcpyAsync(e->params, hp, sizeof(int) * (kParams + n), cudaMemcpyHostToDevice, e->stream));
+	cudaGraphExec_t exec;
+	CK(graphFor(e, rows, &exec));
+	CK(cudaMemcpyAsync(e->params, hp, sizeof(int) * (kMaxRows * kParams + total), cudaMemcpyHostToDevice, e->stream));
 	if (!e->first) {
-		memcpy(e->hostIO, hidden, sizeof(float) * c.embd);
-		CK(cudaMemcpyAsync(e->x, e->hostIO, sizeof(float) * c.embd, cudaMemcpyHostToDevice, e->stream));
+		memcpy(e->hostIO, hidden, sizeof(float) * rows * c.embd);
+		CK(cudaMemcpyAsync(e->x, e->hostIO, sizeof(float) * rows * c.embd, cudaMemcpyHostToDevice, e->stream));
 	}
 	if (e->timing && !e->ev0) {
 		CK(cudaEventCreate(&e->ev0));
 		CK(cudaEventCreate(&e->ev1));
 	}
 	if (e->timing) CK(cudaEventRecord(e->ev0, e->stream));
-	CK(cudaGraphLaunch(e->exec, e->stream));
+	CK(cudaGraphLaunch(exec, e->stream));
 	if (e->timing) CK(cudaEventRecord(e->ev1, e->stream));
-	const int nout = e->last ? c.vocab : c.embd;
-	CK(cudaMemcpyAsync(out_pinned ? out : e->hostIO, e->last ? e->logits : e->x, sizeof(float) * nout,
-	                   cudaMemcpyDeviceToHost, e->stream));
+	const size_t nout = (size_t)rows * (e->last ? c.vocab : c.embd);
+	CK(cudaMemcpyAsync(out_pinned ? out : e->hostIO, e->last ? e->logits : e->x, sizeof(float) * nout, cudaMemcpyDeviceToHost,
+	                   e->stream));
 	CK(cudaStreamSynchronize(e->stream));
 	if (!out_pinned) memcpy(out, e->hostIO, sizeof(float) * nout);
 	if (e->timing) {
@@ -1030,17 +1484,18 @@ extern "C" int mf_step(mf_engine *e, int token, const float *hidden, int pos, in
 		e->gpuMs += ms;
 		e->wallMs += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 		if (++e->timed == e->timing) {
-			fprintf(stderr, "fused steps (%d layers): graph on the GPU %.3f ms, mf_step %.3f ms, mean of %d\n", c.n_layer,
-			        e->gpuMs / e->timed, e->wallMs / e->timed, e->timed);
+			fprintf(stderr, "fused steps (%d layers, %d rows last): graph on the GPU %.3f ms, mf_step %.3f ms, mean of %d\n", c.n_layer,
+			        rows, e->gpuMs / e->timed, e->wallMs / e->timed, e->timed);
 			e->timed = 0, e->gpuMs = e->wallMs = 0;
 		}
 	}
 	return 0;
 }
 
-// mf_profile times each kind of kernel of a step, over all layers, on the
-// engine's stream, and prints it: for fused_check, not for meshnode.
-extern "C" void mf_profile(mf_engine *e) {
+// mf_profile_rows times each kind of kernel of a pass of n rows (the last
+// mf_step_rows's), over all layers, on the engine's stream, and prints it:
+// for fused_check, not for meshnode. mf_profile: one row.
+extern "C" void mf_profile_rows(mf_engine *e, int n) {
 	const mf_config &c = e->c;
 	const int qd = c.n_head * c.head_dim, kvd = c.n_kv_head * c.head_dim;
 	cudaEvent_t t0, t1;
@@ -1055,27 +1510,27 @@ extern "C" void mf_profile(mf_engine *e) {
 		float ms = 0;
 		cudaEventElapsedTime(&ms, t0, t1);
 		const double per = ms / 1e3 / reps / c.n_layer;
-		printf("    %-10s %8.2f us a launch, %7.1f GB/s (%s)\n", name, per * 1e6, bytes / per / 1e9,
+		printf("    %d× %-10s %8.2f us a launch, %7.1f GB/s (%s)\n", n, name, per * 1e6, bytes / per / 1e9,
 		       cudaGetErrorString(cudaGetLastError()));
 	};
 	const double rq = (double)rowBytes(MF_Q4_0, c.embd), rf = (double)rowBytes(MF_Q4_0, c.ffn);
 	time("qkv", rq * (qd + 2 * kvd), [&] {
 		for (int i = 0; i < c.n_layer; i++) {
 			const mf_layer &L = e->layers[i];
-			launchGemv(e, L.wq, L.wk, L.wv, qd, kvd, kvd, c.embd, MF_Q4_0, e->x, (const float *)L.attn_norm, e->qkv, kStore);
+			launchGemv(e, n, L.wq, L.wk, L.wv, qd, kvd, kvd, c.embd, MF_Q4_0, e->x, (const float *)L.attn_norm, e->qkv, qd + 2 * kvd, kStore);
 		}
 	});
 	time("attention", 0, [&] {
-		for (int i = 0; i < c.n_layer; i++) launchAttention(e, e->layers[i]);
+		for (int i = 0; i < c.n_layer; i++) launchAttention(e, e->layers[i], n);
 	});
 	time("o", (double)rowBytes(MF_Q4_0, qd) * c.embd, [&] {
 		for (int i = 0; i < c.n_layer; i++)
-			launchGemv(e, e->layers[i].wo, nullptr, nullptr, c.embd, 0, 0, qd, MF_Q4_0, e->att, nullptr, e->qkv, kStore);
+			launchGemv(e, n, e->layers[i].wo, nullptr, nullptr, c.embd, 0, 0, qd, MF_Q4_0, e->att, nullptr, e->qkv, c.embd, kStore);
 	});
 	time("gate+up", rq * 2 * c.ffn, [&] {
 		for (int i = 0; i < c.n_layer; i++) {
 			const mf_layer &L = e->layers[i];
-			launchGemv(e, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, kSwiGLU);
+			launchGemv(e, n, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, c.ffn, kSwiGLU);
 		}
 	});
 	for (int dbg = 1; dbg <= 3; dbg++) {
@@ -1085,7 +1540,7 @@ extern "C" void mf_profile(mf_engine *e) {
 		time(name, rq * 2 * c.ffn, [&] {
 			for (int i = 0; i < c.n_layer; i++) {
 				const mf_layer &L = e->layers[i];
-				launchGemv(e, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, kSwiGLU);
+				launchGemv(e, n, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, c.ffn, kSwiGLU);
 			}
 		});
 	}
@@ -1096,15 +1551,17 @@ extern "C" void mf_profile(mf_engine *e) {
 	});
 	time("down", rf * c.embd, [&] {
 		for (int i = 0; i < c.n_layer; i++)
-			launchGemv(e, e->layers[i].down, nullptr, nullptr, c.embd, 0, 0, c.ffn, MF_Q4_0, e->act, nullptr, e->qkv, kStore);
+			launchGemv(e, n, e->layers[i].down, nullptr, nullptr, c.embd, 0, 0, c.ffn, MF_Q4_0, e->act, nullptr, e->qkv, c.embd, kStore);
 	});
 	if (e->last)
 		time("head", (double)rowBytes(c.out_type, c.embd) * c.vocab, [&] {
 			for (int i = 0; i < c.n_layer; i++)
-				launchGemv(e, c.output, nullptr, nullptr, c.vocab, 0, 0, c.embd, c.out_type, e->x, (const float *)c.out_norm, e->logits, kStore);
+				launchGemv(e, n, c.output, nullptr, nullptr, c.vocab, 0, 0, c.embd, c.out_type, e->x, (const float *)c.out_norm, e->logits, c.vocab, kStore);
 		});
 	cudaEventDestroy(t0), cudaEventDestroy(t1);
 }
+
+extern "C" void mf_profile(mf_engine *e) { mf_profile_rows(e, 1); }
 
 extern "C" float *mf_host_alloc(size_t n) {
 	float *p = nullptr;
@@ -1119,7 +1576,8 @@ extern "C" void mf_host_free(float *p) {
 extern "C" void mf_destroy(mf_engine *e) {
 	if (!e) return;
 	if (e->stream) cudaStreamSynchronize(e->stream);
-	if (e->exec) cudaGraphExecDestroy(e->exec);
+	for (cudaGraphExec_t x : e->exec)
+		if (x) cudaGraphExecDestroy(x);
 	cudaFree(e->x), cudaFree(e->qkv), cudaFree(e->att), cudaFree(e->act), cudaFree(e->logits);
 	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->params);
 	if (e->hostParams) cudaFreeHost(e->hostParams);

@@ -1,5 +1,5 @@
-// meshnode's fused CUDA decode path: one token of one sequence through a
-// stage's llama or qwen2 layers as one CUDA graph of a few kernels per layer, reading
+// meshnode's fused CUDA decode path: one token of each of up to eight
+// sequences through a stage's llama or qwen2 layers as one CUDA graph of a few kernels per layer, reading
 // the weights and the KV cache that ggml's CUDA backend already holds.
 //
 // ggml launches about fifteen kernels per layer and rebuilds its CUDA graph
@@ -59,6 +59,23 @@ int mf_create(const mf_config *c, mf_engine **e, char *err, int errlen);
 // the result is copied there straight from the GPU. 0, or a message in err.
 int mf_step(mf_engine *e, int token, const float *hidden, int pos, int loc,
             const int32_t *cells, int n, float *out, int out_pinned, char *err, int errlen);
+
+// mf_step_rows runs one token of each of rows sequences (1 to
+// mf_max_rows) through the stage at once, as mf_step does for one: row r's
+// token (first stage) or hidden floats at r*embd, position pos[r], cell
+// loc[r] (the rows' cells differ), and its ncells[r] earlier cells, the
+// rows' lists one after another in cells. out receives rows × vocab logits
+// or rows × embd hidden floats. A row's results have the same bits in any
+// pass of two or more rows, whatever the others; the mat-vecs of such a
+// pass run on the tensor cores and sum in another order than mf_step's, so
+// they differ from a one-row step's in rounding. 0, or a message in err.
+int mf_step_rows(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos, const int *loc,
+                 const int32_t *cells, const int *ncells, float *out, int out_pinned, char *err, int errlen);
+
+// mf_max_rows is the most rows mf_step_rows takes: 8, fewer where the
+// rows' inputs leave the mat-vecs too little shared memory (4 for a
+// feed-forward of 27648, the 32B shape), or MESHNODE_FUSED_ROWS.
+int mf_max_rows(const mf_engine *e);
 
 // mf_host_alloc returns n floats of pinned host memory (NULL if it cannot),
 // which mf_host_free gives back.

@@ -25,9 +25,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 extern "C" void mf_profile(mf_engine *e);
+extern "C" void mf_profile_rows(mf_engine *e, int n);
 
 #define CHECK(call)                                                                                                \
 	do {                                                                                                           \
@@ -372,6 +374,101 @@ static int check(int embd, int nHead, int nKV, int hd, int n, bool qwen2 = false
 	return ok ? 0 : 1;
 }
 
+static void stepRows(mf_engine *e, int rows, const int *toks, const float *hidden, const int *pos, const int *loc,
+                     const std::vector<int> &cells, const int *ncells, float *out) {
+	char err[512];
+	if (mf_step_rows(e, rows, toks, hidden, pos, loc, cells.data(), ncells, out, 0, err, sizeof err)) {
+		fprintf(stderr, "mf_step_rows: %s\n", err);
+		exit(1);
+	}
+}
+
+// checkRows decodes rows sequences (each its own cells and position) in one
+// pass, in one stage and in two, and in reverse order: a row's logits must
+// have the same bits in every such pass, and be near the row stepped alone
+// with the same argmax. The one-row kernels sum in another order; their
+// last-bit differences in q, k and v round a few cached f16 K and V values
+// the other way, which moves the logits by up to about 2e-3 (run 74).
+static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char *rowsSplits = nullptr) {
+	if (rowsSplits) setenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS", rowsSplits, 1);
+	const int ffn = 5632, vocab = 3000, cells = 1024, nLayer = 2;
+	Model m = makeModel(nLayer, embd, nHead, nKV, hd, ffn, vocab, cells);
+	DeviceModel d = uploadModel(m);
+	std::vector<int> perm(cells);
+	for (int i = 0; i < cells; i++) perm[i] = i;
+	std::shuffle(perm.begin(), perm.end(), rng);
+	// Row r attends to 5 + 23r cells of its own and writes one more.
+	std::vector<int> toks(rows), pos(rows), loc(rows), ncells(rows), all;
+	std::vector<std::vector<int>> own(rows);
+	int next = 0;
+	for (int r = 0; r < rows; r++) {
+		ncells[r] = 5 + 23 * r;
+		own[r].assign(perm.begin() + next, perm.begin() + next + ncells[r]);
+		next += ncells[r];
+		all.insert(all.end(), own[r].begin(), own[r].end());
+		loc[r] = perm[next++];
+		pos[r] = ncells[r];
+		toks[r] = (int)((r * 977 + 31) % vocab);
+	}
+	if (next > cells) {
+		fprintf(stderr, "checkRows: %d rows need %d cells\n", rows, next);
+		return 1;
+	}
+	// The same rows in reverse order.
+	std::vector<int> rtoks(toks.rbegin(), toks.rend()), rpos(pos.rbegin(), pos.rend()), rloc(loc.rbegin(), loc.rend());
+	std::vector<int> rn(ncells.rbegin(), ncells.rend()), rall;
+	for (int r = rows - 1; r >= 0; r--) rall.insert(rall.end(), own[r].begin(), own[r].end());
+	mf_engine *whole = create(configOf(m, d, 0, nLayer));
+	mf_engine *a = create(configOf(m, d, 0, 1)), *b = create(configOf(m, d, 1, nLayer));
+	const int maxRows = mf_max_rows(whole);
+	const size_t V = vocab;
+	std::vector<float> alone(rows * V), together(rows * V), split(rows * V), reversed(rows * V), hidden((size_t)rows * embd);
+	for (int r = 0; r < rows; r++) step(whole, toks[r], nullptr, pos[r], loc[r], own[r], alone.data() + r * V);
+	std::vector<float> hiddenAlone((size_t)rows * embd);
+	for (int r = 0; r < rows; r++) step(a, toks[r], nullptr, pos[r], loc[r], own[r], hiddenAlone.data() + (size_t)r * embd);
+	int splitDiffer = 0, orderDiffer = 0, nan = 0, argDiffer = 0;
+	double num = 0, den = 0;
+	if (rows <= maxRows) {
+		stepRows(whole, rows, toks.data(), nullptr, pos.data(), loc.data(), all, ncells.data(), together.data());
+		stepRows(whole, rows, rtoks.data(), nullptr, rpos.data(), rloc.data(), rall, rn.data(), reversed.data());
+		stepRows(a, rows, toks.data(), nullptr, pos.data(), loc.data(), all, ncells.data(), hidden.data());
+		stepRows(b, rows, toks.data(), hidden.data(), pos.data(), loc.data(), all, ncells.data(), split.data());
+		for (int r = 0; r < rows; r++) {
+			int ga = 0, gt = 0;
+			for (size_t i = 0; i < V; i++) {
+				const size_t at = r * V + i;
+				if (!std::isfinite(together[at])) nan++;
+				if (memcmp(&together[at], &split[at], 4)) splitDiffer++;
+				if (memcmp(&together[at], &reversed[(rows - 1 - r) * V + i], 4)) orderDiffer++;
+				num += ((double)together[at] - alone[at]) * ((double)together[at] - alone[at]), den += (double)alone[at] * alone[at];
+				if (alone[at] > alone[r * V + ga]) ga = (int)i;
+				if (together[at] > together[r * V + gt]) gt = (int)i;
+			}
+			argDiffer += ga != gt;
+		}
+	}
+	const double rel = den > 0 ? std::sqrt(num / den) : 1;
+	// By row, the first layer's output and the logits against the row alone.
+	std::string byRow;
+	for (int r = 0; r < rows && rows <= maxRows; r++) {
+		auto relOf = [](const float *x, const float *y, size_t n) {
+			double nu = 0, de = 0;
+			for (size_t i = 0; i < n; i++) nu += ((double)x[i] - y[i]) * ((double)x[i] - y[i]), de += (double)y[i] * y[i];
+			return de > 0 ? std::sqrt(nu / de) : 0.0;
+		};
+		char buf[64];
+		snprintf(buf, sizeof buf, " %d:%.0e/%.0e", r, relOf(&hidden[(size_t)r * embd], &hiddenAlone[(size_t)r * embd], embd),
+		         relOf(&together[r * V], &alone[r * V], V));
+		byRow += buf;
+	}
+	const bool ok = rows <= maxRows && splitDiffer == 0 && orderDiffer == 0 && nan == 0 && rel < 5e-3 && argDiffer == 0;
+	printf("check rows n_embd %d, heads %d/%d of %d: %d rows (at most %d) in one pass: split differs in %d, reverse order in %d; against each row alone rel err %.1e, argmax differs in %d rows; nonfinite %d: %s\n    by row, first layer/logits:%s\n",
+	       embd, nHead, nKV, hd, rows, maxRows, splitDiffer, orderDiffer, rel, argDiffer, nan, ok ? "ok" : "FAIL", byRow.c_str());
+	mf_destroy(whole), mf_destroy(a), mf_destroy(b);
+	if (rowsSplits) unsetenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS"), printf("  (attention of several rows in up to %s splits)\n", rowsSplits);
+	return ok ? 0 : 1;
+}
+
 // Fills device memory with random quantized blocks: no host round trip for
 // gigabytes of weights.
 __global__ void fillRandom(uint8_t *p, size_t n, int type, uint64_t seed, float scale) {
@@ -417,6 +514,9 @@ static void *randomDevice(int type, size_t bytes, float scale, uint64_t &seed, d
 	if (total) *total += (double)bytes;
 	return p;
 }
+
+static const int kRowsMax = 8;
+static double oneRow = 0;
 
 static int bench() {
 	const int nLayer = 32, embd = 4096, nHead = 32, nKV = 8, hd = 128, ffn = 14336, vocab = 128256, cells = 4096;
@@ -497,7 +597,33 @@ static int bench() {
 		       n, med * 1e3, t[0] * 1e3, 1 / med, (fileBytes / bw) / med, bw / fileBytes, (bytes / bw) / med,
 		       bytes / med / 1e9, finite ? "finite" : "NOT FINITE");
 	}
+	// Several sequences at once, each at 576 cells: the cells are shared
+	// (only reads), the cells written differ.
+	{
+		const int n = 576;
+		std::vector<int> used(n);
+		for (int i = 0; i < n; i++) used[i] = i;
+		std::vector<float> out((size_t)kRowsMax * vocab);
+		for (int rows = 1; rows <= mf_max_rows(e); rows *= 2) {
+			std::vector<int> toks(rows), pos(rows, n), loc(rows), ncells(rows, n), all;
+			for (int r = 0; r < rows; r++) loc[r] = n + r, all.insert(all.end(), used.begin(), used.end());
+			std::vector<double> t;
+			for (int i = 0; i < 60; i++) {
+				for (int r = 0; r < rows; r++) toks[r] = (i * 7919 + r * 104729) % vocab;
+				auto s = std::chrono::steady_clock::now();
+				stepRows(e, rows, toks.data(), nullptr, pos.data(), loc.data(), all, ncells.data(), out.data());
+				if (i >= 10) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count());
+			}
+			std::sort(t.begin(), t.end());
+			const double med = t[t.size() / 2];
+			printf("  rows %d at 576 cells: step %.3f ms median (min %.3f), %.1f tok/s, %.2fx one row's time\n", rows, med * 1e3,
+			       t[0] * 1e3, rows / med, rows == 1 ? 1.0 : med / oneRow);
+			if (rows == 1) oneRow = med;
+		}
+	}
 	mf_profile(e);
+	// The last pass above had mf_max_rows rows: their parameters hold.
+	for (int rows = 2; rows <= mf_max_rows(e); rows *= 2) mf_profile_rows(e, rows);
 	mf_destroy(e);
 	return 0;
 }
@@ -519,6 +645,14 @@ int main(int argc, char **argv) {
 		// q, k and v biases and NeoX rotation (qwen2).
 		bad |= check(2048, 16, 2, 128, 120, true);
 		bad |= check(2048, 32, 4, 64, 40, true);
+		// Several sequences in one pass.
+		bad |= checkRows(2048, 16, 4, 128, 3);
+		bad |= checkRows(2048, 32, 8, 64, 8);
+		bad |= checkRows(5120, 40, 8, 128, 4);
+		bad |= checkRows(4096, 32, 8, 128, 8);
+		bad |= checkRows(2048, 16, 4, 128, 4);
+		bad |= checkRows(2048, 16, 4, 128, 5);
+		bad |= checkRows(2048, 16, 4, 128, 2);
 	}
 	if (!strcmp(what, "bench") || !strcmp(what, "all")) bad |= bench();
 	return bad;
