@@ -36,7 +36,7 @@ type Options struct {
 	FlashAttention Switch      // ggml's fused attention kernel; Auto: on GPUs (see Auto)
 	BuildAhead     Switch      // build the next decode pass while one computes (see pass); Auto: on GPUs
 	DecodeGraphs   Switch      // a scheduler per pipeline lane, and CUDA graphs for decode passes of several rows (see lane); Auto: off
-	FusedDecode    Switch      // meshnode's own CUDA kernels for one-row decode passes (see fused.go); Auto: on where they can run, On: Open fails where they cannot
+	FusedDecode    Switch      // meshnode's own CUDA kernels for decode passes (see fused.go); Auto: on where they can run, On: Open fails where they cannot
 	KVType         ml.DType    // 0 = f16
 	WireDType      stage.DType // 0 = f16
 	NoRepack       bool        // keep quantized weights in ggml's plain layout
@@ -128,14 +128,14 @@ type Engine struct {
 	// NewActivation; logits go to the caller and come back by Release.
 	hidden []float32
 	logits floatPool
-	// fused runs one-row decode passes on CUDA (see fused.go); fusedWhy
+	// fused runs decode passes on CUDA (see fused.go); fusedWhy
 	// says why it does not, when it was wanted.
 	fused    fusedPath
 	fusedWhy string
 }
 
-// Fused reports whether the stage decodes one row at a time through
-// meshnode's fused CUDA kernels, and if not, why, where it was wanted.
+// Fused reports whether the stage decodes through meshnode's fused CUDA
+// kernels, and if not, why, where it was wanted.
 func (e *Engine) Fused() (on bool, why string) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -575,8 +575,8 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 		slots[r] = slot
 	}
 
-	if e.fused != nil && b.Rows() == 1 && (!e.info.Last() || len(b.Outputs) == 1) {
-		if out, ok, err := e.fused.step(b, slots[0], hidden); ok {
+	if e.fused != nil && fusedTakes(b, slots, e.info.Last()) {
+		if out, ok, err := e.fused.step(b, slots, hidden); ok {
 			return out, err
 		}
 	}

@@ -1,11 +1,12 @@
 package ggufstage
 
 // The fused CUDA decode path (cuda/fused.h): a stage on an NVIDIA GPU whose
-// llama or qwen2 layers are Q4_0 runs one-row decode passes through
-// meshnode's own kernels, as one CUDA graph replayed every token, instead
-// of a ggml graph built and captured anew each token. It reads the weights ggml loaded and
-// writes the same KV cache cells ollama's cache hands out, so ggml passes
-// (prefill, several rows) and fused ones mix freely on one cache.
+// llama or qwen2 layers are Q4_0 runs decode passes (one token of each of
+// up to eight sequences at once) through meshnode's own kernels, as a CUDA
+// graph replayed every token, instead of a ggml graph built and captured
+// anew each token. It reads the weights ggml loaded and writes the same KV
+// cache cells ollama's cache hands out, so ggml passes (prefill) and fused
+// ones mix freely on one cache.
 
 import (
 	"errors"
@@ -24,12 +25,30 @@ import (
 	"github.com/meshnode/meshnode/stage"
 )
 
-// fusedPath runs one-row decode passes. step reports ok false, with no
-// change made, when it cannot take this pass (the cache has not been
-// written through ggml yet); the caller then runs it through ggml.
+// fusedPath runs decode passes: each row one token of its own sequence,
+// slots[r] its cache slot. step reports ok false, with no change made, when
+// it cannot take this pass (the cache has not been written through ggml
+// yet, or the pass has more rows than the kernels take); the caller then
+// runs it through ggml.
 type fusedPath interface {
-	step(b *stage.Batch, slot int, hidden []float32) (out *stage.Output, ok bool, err error)
+	step(b *stage.Batch, slots []int, hidden []float32) (out *stage.Output, ok bool, err error)
 	close()
+}
+
+// fusedTakes says whether the fused path can run batch b, whose rows use
+// cache slots slots: a decode pass, each row a token of a sequence of its
+// own, and on the last stage logits for every row. The answer depends on
+// the batch alone, so every stage of a mesh answers alike.
+func fusedTakes(b *stage.Batch, slots []int, last bool) bool {
+	if last && len(b.Outputs) != b.Rows() {
+		return false // Outputs are ascending indices: all rows
+	}
+	for r, s := range slots {
+		if slices.Contains(slots[:r], s) {
+			return false
+		}
+	}
+	return true
 }
 
 // errFusedUnavailable wraps every reason the fused path cannot run a stage.
@@ -265,8 +284,8 @@ func (v *causalView) layerKV(i int) (k, val ml.Tensor) {
 	return (*v.keys)[i], (*v.values)[i]
 }
 
-// seqCells returns the cells seq (a cache slot) holds at positions before
-// pos: the ones a decode step at pos attends to besides its own.
+// seqCells appends to into the cells seq (a cache slot) holds at positions
+// before pos: the ones a decode step at pos attends to besides its own.
 func (v *causalView) seqCells(seq int, pos int32, into []int32) (earlier []int32, err error) {
 	r := v.ranges.MapIndex(reflect.ValueOf(seq))
 	if !r.IsValid() {
@@ -277,7 +296,7 @@ func (v *causalView) seqCells(seq int, pos int32, into []int32) (earlier []int32
 	if lo < 0 || hi >= len(cells) || lo > hi {
 		return nil, fmt.Errorf("cache slot %d has cell range [%d,%d] outside %d cells", seq, lo, hi, len(cells))
 	}
-	earlier = into[:0]
+	earlier = into
 	for i := lo; i <= hi; i++ {
 		if c := &cells[i]; c.pos < pos && slices.Contains(c.sequences, seq) {
 			earlier = append(earlier, int32(i))

@@ -95,6 +95,42 @@ func TestCausalViewPlace(t *testing.T) {
 		if got, err := vb.seqCells(b.slots[seq], pos, nil); err != nil || !slices.Equal(got, want) {
 			t.Fatalf("step %d (seq %d, pos %d): earlier cells %v (%v), want %v", step, seq, pos, got, err, want)
 		}
+		// A pass of several rows lists its rows' cells one after another.
+		prev := []int32{-7}
+		if got, err := vb.seqCells(b.slots[seq], pos, prev); err != nil || !slices.Equal(got, append(prev, want...)) {
+			t.Fatalf("step %d (seq %d, pos %d): earlier cells after %v: %v (%v), want them appended", step, seq, pos, prev, got, err)
+		}
+	}
+}
+
+// TestFusedTakes: the fused path takes decode passes (each row a sequence
+// of its own) and, on the last stage, only passes that want every row's
+// logits; a prefill chunk (one sequence, several rows) goes to ggml.
+func TestFusedTakes(t *testing.T) {
+	tests := []struct {
+		name    string
+		slots   []int
+		outputs []int
+		last    bool
+		want    bool
+	}{
+		{"one row, middle stage", []int{0}, nil, false, true},
+		{"one row with its logits", []int{3}, []int{0}, true, true},
+		{"one row, no logits wanted", []int{3}, nil, true, false},
+		{"three sequences", []int{0, 2, 1}, []int{0, 1, 2}, true, true},
+		{"three sequences, middle stage", []int{0, 2, 1}, nil, false, true},
+		{"logits of some rows only", []int{0, 2, 1}, []int{2}, true, false},
+		{"a prefill chunk", []int{1, 1, 1}, []int{2}, true, false},
+		{"a prefill chunk, middle stage", []int{1, 1}, nil, false, false},
+		{"a sequence twice among others", []int{0, 1, 0}, []int{0, 1, 2}, true, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			b := &stage.Batch{Seqs: make([]stage.SeqID, len(tc.slots)), Pos: make([]int32, len(tc.slots)), Outputs: tc.outputs}
+			if got := fusedTakes(b, tc.slots, tc.last); got != tc.want {
+				t.Errorf("fusedTakes(slots %v, outputs %v, last %v) = %v, want %v", tc.slots, tc.outputs, tc.last, got, tc.want)
+			}
+		})
 	}
 }
 

@@ -230,3 +230,114 @@ func testFusedDecode(t *testing.T, spec synth.Spec) {
 	}
 	t.Logf("over 24 steps, the worst relative L2 difference of the logits: fused-ggml CUDA %.2e, ggml CPU-ggml CUDA %.2e", worst, worstCPU)
 }
+
+// TestGPUFusedRows decodes four sequences of different lengths together
+// through the fused kernels: in one stage, in one pass of four rows, and in
+// two stages, in reverse order. A row's logits must have the same bits in
+// both, and stay near the sequence decoded alone (one-row kernels, which
+// sum in another order). ggml's own pass of four rows is the outside
+// reference; with MESHNODE_FUSED_ROWS=2 the pass is ggml's.
+func TestGPUFusedRows(t *testing.T) {
+	needGPU(t)
+	if err := loadFusedLibrary(); err != nil {
+		t.Skip(err)
+	}
+	path := filepath.Join(t.TempDir(), "q4.gguf")
+	const vocab = 2048
+	if err := synth.Write(path, synth.Spec{Arch: "llama", Layers: 4, Embd: 2048, Heads: 16, KVHeads: 4, FFN: 5632, Vocab: vocab,
+		Context: 512, Type: synth.Q4_0, Seed: 11}, nil); err != nil {
+		t.Fatal(err)
+	}
+	const seqs = 4
+	opts := func(s Switch) Options {
+		return Options{Threads: 2, MaxSeqs: seqs, Context: 256, Device: "cuda", FlashAttention: On, FusedDecode: s}
+	}
+	ggml := openSplit(t, path, []int{0, 4}, opts(Off))
+	defer ggml.close()
+	together := openSplit(t, path, []int{0, 4}, opts(On))
+	defer together.close()
+	split := openSplit(t, path, []int{0, 2, 4}, opts(On))
+	defer split.close()
+	alone := openSplit(t, path, []int{0, 4}, opts(On))
+	defer alone.close()
+	capped := openSplit(t, path, []int{0, 4}, opts(On))
+	defer capped.close()
+	all := []*pipeline{ggml, together, split, alone, capped}
+
+	ids := make([]stage.SeqID, seqs)
+	pos := make([]int32, seqs)
+	next := make([]int32, seqs)
+	for s := range seqs {
+		ids[s] = stage.SeqID(s + 1)
+		prefill := stage.Batch{}
+		for i := range 3 + 9*s { // prompts of 3 to 30 tokens
+			prefill.Seqs, prefill.Pos = append(prefill.Seqs, ids[s]), append(prefill.Pos, int32(i))
+			prefill.Tokens = append(prefill.Tokens, int32((s*131+i*17)%2000+1))
+		}
+		prefill.Outputs = []int{prefill.Rows() - 1}
+		for _, p := range all {
+			p.open(t, ids[s])
+			next[s] = argmax(p.forward(t, prefill))
+		}
+		pos[s] = int32(prefill.Rows())
+	}
+	rows := func(x []float32) [][]float32 {
+		out := make([][]float32, len(x)/vocab)
+		for s := range out {
+			out[s] = x[s*vocab : (s+1)*vocab]
+		}
+		return out
+	}
+	reverse := func(x []int32) []int32 { y := slices.Clone(x); slices.Reverse(y); return y }
+	worst, worstAlone := 0.0, 0.0
+	for step := range 12 {
+		b := stage.Batch{Seqs: slices.Clone(ids), Pos: slices.Clone(pos), Tokens: slices.Clone(next), Outputs: []int{0, 1, 2, 3}}
+		got := rows(together.forward(t, b))
+		if len(got) != seqs {
+			t.Fatalf("step %d: logits of %d rows for %d", step, len(got), seqs)
+		}
+		rb := stage.Batch{Seqs: slices.Clone(ids), Pos: reverse(pos), Tokens: reverse(next), Outputs: []int{0, 1, 2, 3}}
+		slices.Reverse(rb.Seqs)
+		back := rows(split.forward(t, rb))
+		if step == 0 {
+			t.Setenv("MESHNODE_FUSED_ROWS", "2") // read as capped's kernels start, at its first decode pass
+		}
+		onGGML := rows(capped.forward(t, b))
+		for s := range seqs {
+			if !slices.Equal(back[seqs-1-s], got[s]) {
+				t.Fatalf("step %d: sequence %d in reverse order over two stages differs from one stage's pass", step, s+1)
+			}
+			one := alone.forward(t, stage.Batch{Seqs: b.Seqs[s : s+1], Pos: b.Pos[s : s+1], Tokens: b.Tokens[s : s+1], Outputs: []int{0}})
+			// A few cached f16 values round the other way (see fused_check's
+			// checkRows): well under the 5e-2 that parts ggml CUDA's logits
+			// from ggml CPU's here.
+			rel := relErr([][]float32{got[s]}, [][]float32{one})
+			if !(rel < 2e-2) {
+				t.Fatalf("step %d: sequence %d decoded with three others is off it decoded alone by %.3g (relative L2)", step, s+1, rel)
+			}
+			worstAlone = max(worstAlone, rel)
+		}
+		ref := rows(ggml.forward(t, b))
+		rel := relErr(got, ref)
+		worst = max(worst, rel)
+		if !(rel < 0.1) {
+			t.Fatalf("step %d: fused logits of four rows off ggml's by %.3g (relative L2)", step, rel)
+		}
+		// Over MESHNODE_FUSED_ROWS the pass runs on ggml, as the reference does.
+		if rel := relErr(onGGML, ref); !(rel < 1e-5) {
+			t.Fatalf("step %d: a pass of four rows over MESHNODE_FUSED_ROWS=2 is off ggml's by %.3g: it did not run on ggml", step, rel)
+		}
+		for s := range seqs {
+			next[s] = argmax(got[s])
+			pos[s]++
+		}
+	}
+	for _, p := range []*pipeline{together, split, capped} {
+		for _, s := range p.stages {
+			if on, why := s.Fused(); !on {
+				t.Fatalf("stage %s left the fused path: %s", s.Info().Range(), why)
+			}
+		}
+	}
+	t.Logf("12 steps of four rows: the same bits in one stage and in two; worst relative L2 difference from each sequence alone %.2e, from ggml's four-row pass %.2e", worstAlone, worst)
+}
