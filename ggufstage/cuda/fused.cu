@@ -100,6 +100,7 @@ struct GemvArgs {
 	int xqRow;   // bytes from one row of the quantized input to the next
 	int xdsRow;  // its scales' float2s from one row to the next
 	int xStride, yStride; // floats from one row of x, y to the next
+	uint8_t *img; // gemvMMA: the quantized input as quantizeImage wrote it (xq's rows, then xds's)
 	int debug; // mf_profile: 1 skips the input's quantization, 2 the dot products
 };
 
@@ -651,6 +652,27 @@ __device__ __forceinline__ void mma16x8x32(const uint32_t (&A)[4], uint32_t b0, 
 	             : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
+// quantizeImage quantizes input row blockIdx.x of a gemvMMA pass into
+// a.img, laid out as gemvMMA's shared memory holds it: once for the pass,
+// where each of gemvMMA's blocks had quantized every row itself, reading
+// 128 KB of floats a block at eight rows of 4096 (11 of gate/up's 50 us,
+// run 75). The arithmetic is quantizeRows', so the bits are the same.
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) quantizeImage(GemvArgs a) {
+	__shared__ float red[kRed];
+	pdlLaunchNext();
+	pdlWait();
+	const int r = blockIdx.x;
+	GemvArgs one = a;
+	one.nrows = 1, one.x = a.x + (size_t)r * a.xStride;
+	int8_t *xq = reinterpret_cast<int8_t *>(a.img) + (size_t)r * a.xqRow;
+	float2 *xds = reinterpret_cast<float2 *>(a.img + (size_t)a.rowsCap * a.xqRow) + (size_t)r * a.xdsRow;
+	quantizeRows<THREADS>(one, xq, xds, red, a.norm, [] {});
+}
+
+// The bytes of a gemvMMA pass's quantized input (quantizeImage).
+__host__ __device__ size_t imageBytes(const GemvArgs &a) { return (size_t)a.rowsCap * (a.xqRow + a.xdsRow * sizeof(float2)); }
+
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a) {
 	constexpr int kWarps = THREADS / 32;
@@ -663,7 +685,6 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	float2 *xds = reinterpret_cast<float2 *>(xq + a.rowsCap * a.xqRow);
 	float *red = reinterpret_cast<float *>(xds + a.rowsCap * a.xdsRow);
 	float4 *part = reinterpret_cast<float4 *>(red + kRed); // [kWarps][32]: each warp's share of a unit
-	float *normS = reinterpret_cast<float *>(part + kWarps * 32);
 
 	// A block takes units of 16 matrix rows; its warps share each unit's
 	// columns, a super-block (256) a step, each warp a run of steps of its
@@ -692,25 +713,19 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 		}
 		cpAsyncCommit();
 	};
-	const bool normShared = a.norm && !a.normDirect;
-	if (normShared) {
-		for (int i = threadIdx.x; i < a.k / 4; i += THREADS) cpAsync16(normS + 4 * i, a.norm + 4 * i);
-		cpAsyncCommit();
-	}
+	// The first weights go in flight while quantizeImage runs; the input's
+	// image comes once it is written.
+#pragma unroll
+	for (int k = 0; k < kMmaStages - 1; k++) issue(k);
 	pdlLaunchNext();
 	pdlWait();
-	auto afterLoads = [&]() {
-#pragma unroll
-		for (int k = 0; k < kMmaStages - 1; k++) issue(k);
-		if (normShared) {
-			cpAsyncWait<kMmaStages - 1>(); // the norm's copy, committed before the stages'
-			__syncthreads();
-		}
-	};
-	if (a.debug & 1)
-		afterLoads();
-	else
-		quantizeRows<THREADS>(a, xq, xds, red, a.normDirect ? a.norm : normS, afterLoads);
+	if (!(a.debug & 1)) {
+		const int n16 = (int)(imageBytes(a) / 16);
+		for (int i = threadIdx.x; i < n16; i += THREADS) cpAsync16(reinterpret_cast<uint8_t *>(xq) + 16 * i, a.img + 16 * i);
+	}
+	cpAsyncCommit();
+	cpAsyncWait<0>();
+	__syncthreads();
 
 	const bool live = g < a.nrows; // B's column g: input row g
 	const int8_t *xg = xq + g * a.xqRow; // rows a.xqRow apart: the eight rows' words in different banks
@@ -1038,6 +1053,7 @@ struct mf_engine {
 	// mat-vecs' inputs need (see fitShape), or MESHNODE_FUSED_ROWS.
 	int maxRows = 1;
 	float *x = nullptr, *qkv = nullptr, *att = nullptr, *act = nullptr, *logits = nullptr, *part = nullptr;
+	uint8_t *img = nullptr; // GemvArgs.img
 	int *counter = nullptr, *params = nullptr;
 	int *hostParams = nullptr; // pinned
 	float *hostIO = nullptr;   // pinned: hidden in, and out
@@ -1127,7 +1143,7 @@ void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1)
 size_t gemvSmem(const GemvArgs &a) {
 	return (size_t)(a.threads / 32) * (a.mma ? kMmaStages * a.stageBytes + 32 * sizeof(float4) : 2 * a.stageBytes) +
 	       (size_t)a.rowsCap * (a.xqRow + a.xdsRow * sizeof(float2)) + kRed * sizeof(float) +
-	       (a.norm && !a.normDirect ? (size_t)a.k * sizeof(float) : 0);
+	       (a.norm && !a.normDirect && !a.mma ? (size_t)a.k * sizeof(float) : 0); // gemvMMA's norm is quantizeImage's
 }
 
 // placeNorm keeps the norm's shared copy (loaded while the kernel before
@@ -1205,6 +1221,10 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 	for (int i = 0; bias && i < 3; i++) a.bias[i] = (const float *)bias[i];
 	fitShape(a, e->smemSM, e->smemOptin); // mf_create checked that it fits (maxRows)
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
+	if (a.mma) {
+		a.img = e->img;
+		launch(e, quantizeImage<kThreads>, nrows, kThreads, 0, a);
+	}
 	launch(e, gemvFor(a), e->sms * blocksPerSM(a, e->smemSM), a.threads, gemvSmem(a), a);
 }
 
@@ -1404,6 +1424,15 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	CE(cudaMalloc(&e->act, sizeof(float) * R * c.ffn));
 	CE(cudaMalloc(&e->part, sizeof(float) * R * c.n_head * kSplits * (c.head_dim + 2)));
 	CE(cudaMalloc(&e->counter, sizeof(int) * R * c.n_head));
+	{
+		size_t img = 0;
+		for (int k : {c.embd, c.ffn, qd}) {
+			GemvArgs a{};
+			gemvShape(a, MF_Q4_0, k, kStore, e->threads, kMaxRows);
+			img = std::max(img, imageBytes(a));
+		}
+		CE(cudaMalloc(&e->img, img));
+	}
 	CE(cudaMemset(e->counter, 0, sizeof(int) * R * c.n_head));
 	CE(cudaMalloc(&e->params, sizeof(int) * (R * kParams + (size_t)R * c.cells)));
 	CE(cudaMallocHost(&e->hostParams, sizeof(int) * (R * kParams + (size_t)R * c.cells)));
@@ -1579,7 +1608,7 @@ extern "C" void mf_destroy(mf_engine *e) {
 	for (cudaGraphExec_t x : e->exec)
 		if (x) cudaGraphExecDestroy(x);
 	cudaFree(e->x), cudaFree(e->qkv), cudaFree(e->att), cudaFree(e->act), cudaFree(e->logits);
-	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->params);
+	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->params), cudaFree(e->img);
 	if (e->hostParams) cudaFreeHost(e->hostParams);
 	if (e->hostIO) cudaFreeHost(e->hostIO);
 	if (e->ev0) cudaEventDestroy(e->ev0);
