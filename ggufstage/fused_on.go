@@ -82,6 +82,12 @@ import (
 	"github.com/meshnode/meshnode/stage"
 )
 
+// fusedPasses is the most fused passes one batch takes; larger batches run
+// on ggml. Passes of eight rows of the 8B model took 5.3 ms on an H200
+// (run 77), so four (32 rows) cost more than ggml's one pass of 32 (about
+// 19 ms a step), and two (16 rows) less than its pass of 16 (15 ms, run 51).
+const fusedPasses = 2
+
 // FusedLibrary is the file name deploy/gpu/build-cuda.sh gives the fused
 // path's library, beside ggml's CUDA backend.
 const FusedLibrary = "libmeshnode-fused.so"
@@ -141,7 +147,7 @@ type cudaFused struct {
 	errBuf *C.char
 	// maxRows is the most rows the C engine takes in one pass (8, fewer
 	// where the mat-vecs' shared memory cannot hold more, or
-	// MESHNODE_FUSED_ROWS); passes of more rows run on ggml.
+	// MESHNODE_FUSED_ROWS); at 1, passes of several rows run on ggml.
 	maxRows int
 	// A pass's arguments, by row, reused: its tokens, positions, cells
 	// written, earlier cells (one list after another) and their counts.
@@ -353,18 +359,16 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		}
 	}
 	n := b.Rows()
-	if n > f.maxRows {
-		// ggml runs it: four fused passes of eight rows cost four times
-		// one, where ggml's pass of 32 costs little more than one of 16 (8B
-		// on an H200, run 73: 32 streams at 1076 tok/s in fused passes of
-		// eight, 1879 through ggml).
-		return nil, false, nil
+	if n > fusedPasses*f.maxRows || (n > 1 && f.maxRows < 2) {
+		return nil, false, nil // ggml runs it
 	}
 	start := time.Now()
+	width := e.info.Embd // floats a row of the result
 	var dst []float32
 	var free func()
 	pinned := C.int(0)
 	if e.info.Last() {
+		width = e.info.Vocab
 		if n == 1 {
 			if dst, free = f.pinned.get(); dst != nil {
 				pinned = 1
@@ -391,53 +395,61 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		}
 		return nil, true, err
 	}
-	f.tokens, f.pos, f.loc, f.ncells, f.cells = f.tokens[:0], f.pos[:0], f.loc[:0], f.ncells[:0], f.cells[:0]
-	for r := range n {
-		loc, err := f.view.place(slots[r], b.Pos[r])
-		if err != nil {
-			return fail(fmt.Errorf("placing batch in the KV cache: %w", err))
-		}
-		placed++
-		before := len(f.cells)
-		if f.cells, err = f.view.seqCells(slots[r], b.Pos[r], f.cells); err != nil {
-			return fail(fmt.Errorf("fused decode: %w", err))
-		}
-		token := C.int(0)
-		if e.info.First() {
-			token = C.int(b.Tokens[r])
-		}
-		f.tokens, f.pos = append(f.tokens, token), append(f.pos, C.int(b.Pos[r]))
-		f.loc, f.ncells = append(f.loc, C.int(loc)), append(f.ncells, C.int(len(f.cells)-before))
-	}
-	var hp *C.float
-	switch {
-	case f.hostEmbd != nil:
-		for r := range n {
-			row := f.embd[r*e.info.Embd : (r+1)*e.info.Embd]
-			if rc := C.meshnode_embed_row(f.hostEmbd, f.tokens[r], (*C.float)(unsafe.Pointer(&row[0]))); rc != 0 {
-				return fail(fmt.Errorf("fused decode: looking up token %d in the embedding (%d)", int(f.tokens[r]), int(rc)))
+	var graph, wait time.Duration
+	// Passes of at most maxRows rows, as even as they can be.
+	passes := (n + f.maxRows - 1) / f.maxRows
+	per := (n + passes - 1) / passes
+	for r0 := 0; r0 < n; r0 += per {
+		rows := min(per, n-r0)
+		f.tokens, f.pos, f.loc, f.ncells, f.cells = f.tokens[:0], f.pos[:0], f.loc[:0], f.ncells[:0], f.cells[:0]
+		for r := r0; r < r0+rows; r++ {
+			loc, err := f.view.place(slots[r], b.Pos[r])
+			if err != nil {
+				return fail(fmt.Errorf("placing batch in the KV cache: %w", err))
 			}
+			placed++
+			before := len(f.cells)
+			if f.cells, err = f.view.seqCells(slots[r], b.Pos[r], f.cells); err != nil {
+				return fail(fmt.Errorf("fused decode: %w", err))
+			}
+			token := C.int(0)
+			if e.info.First() {
+				token = C.int(b.Tokens[r])
+			}
+			f.tokens, f.pos = append(f.tokens, token), append(f.pos, C.int(b.Pos[r]))
+			f.loc, f.ncells = append(f.loc, C.int(loc)), append(f.ncells, C.int(len(f.cells)-before))
 		}
-		hp = (*C.float)(unsafe.Pointer(&f.embd[0]))
-	case !e.info.First():
-		hp = (*C.float)(unsafe.Pointer(&hidden[0]))
-	}
-	var cp *C.int32_t
-	if len(f.cells) > 0 {
-		cp = (*C.int32_t)(unsafe.Pointer(&f.cells[0]))
-	}
-	graph := time.Since(start)
-	computeMu.Lock()
-	start = time.Now()
-	rc := C.meshnode_mf_step_rows_call(f.h, C.int(n), &f.tokens[0], hp, &f.pos[0], &f.loc[0], cp, &f.ncells[0],
-		(*C.float)(unsafe.Pointer(&dst[0])), pinned, f.errBuf, fusedErrLen)
-	wait := time.Since(start)
-	computeMu.Unlock()
-	if rc != 0 {
-		// A CUDA error may leave the context unusable: reload the stage.
-		err := fmt.Errorf("%w: fused decode step: %s", ErrBroken, f.errText())
-		e.broken.Store(err)
-		return fail(err)
+		var hp *C.float
+		switch {
+		case f.hostEmbd != nil:
+			for i := range rows {
+				row := f.embd[i*e.info.Embd : (i+1)*e.info.Embd]
+				if rc := C.meshnode_embed_row(f.hostEmbd, f.tokens[i], (*C.float)(unsafe.Pointer(&row[0]))); rc != 0 {
+					return fail(fmt.Errorf("fused decode: looking up token %d in the embedding (%d)", int(f.tokens[i]), int(rc)))
+				}
+			}
+			hp = (*C.float)(unsafe.Pointer(&f.embd[0]))
+		case !e.info.First():
+			hp = (*C.float)(unsafe.Pointer(&hidden[r0*e.info.Embd]))
+		}
+		var cp *C.int32_t
+		if len(f.cells) > 0 {
+			cp = (*C.int32_t)(unsafe.Pointer(&f.cells[0]))
+		}
+		graph += time.Since(start)
+		computeMu.Lock()
+		start = time.Now()
+		rc := C.meshnode_mf_step_rows_call(f.h, C.int(rows), &f.tokens[0], hp, &f.pos[0], &f.loc[0], cp, &f.ncells[0],
+			(*C.float)(unsafe.Pointer(&dst[r0*width])), pinned, f.errBuf, fusedErrLen)
+		wait += time.Since(start)
+		computeMu.Unlock()
+		start = time.Now()
+		if rc != 0 {
+			// A CUDA error may leave the context unusable: reload the stage.
+			err := fmt.Errorf("%w: fused decode step: %s", ErrBroken, f.errText())
+			e.broken.Store(err)
+			return fail(err)
+		}
 	}
 	e.phases.passes.Add(1)
 	e.phases.graph.Add(int64(graph))

@@ -232,11 +232,12 @@ func testFusedDecode(t *testing.T, spec synth.Spec) {
 }
 
 // TestGPUFusedRows decodes four sequences of different lengths together
-// through the fused kernels: in one stage, in one pass of four rows, and in
-// two stages, in reverse order. A row's logits must have the same bits in
-// both, and stay near the sequence decoded alone (one-row kernels, which
-// sum in another order). ggml's own pass of four rows is the outside
-// reference; with MESHNODE_FUSED_ROWS=2 the pass is ggml's.
+// through the fused kernels: in one stage, in one pass of four rows; in two
+// stages, in reverse order; and (MESHNODE_FUSED_ROWS=2) in two passes of
+// two. A row's logits must have the same bits in all three, and stay near
+// the sequence decoded alone (one-row kernels, which sum in another
+// order). ggml's own pass of four rows is the outside reference; with
+// MESHNODE_FUSED_ROWS=1 the pass is ggml's.
 func TestGPUFusedRows(t *testing.T) {
 	needGPU(t)
 	if err := loadFusedLibrary(); err != nil {
@@ -260,9 +261,11 @@ func TestGPUFusedRows(t *testing.T) {
 	defer split.close()
 	alone := openSplit(t, path, []int{0, 4}, opts(On))
 	defer alone.close()
+	chunked := openSplit(t, path, []int{0, 4}, opts(On))
+	defer chunked.close()
 	capped := openSplit(t, path, []int{0, 4}, opts(On))
 	defer capped.close()
-	all := []*pipeline{ggml, together, split, alone, capped}
+	all := []*pipeline{ggml, together, split, alone, chunked, capped}
 
 	ids := make([]stage.SeqID, seqs)
 	pos := make([]int32, seqs)
@@ -299,13 +302,21 @@ func TestGPUFusedRows(t *testing.T) {
 		rb := stage.Batch{Seqs: slices.Clone(ids), Pos: reverse(pos), Tokens: reverse(next), Outputs: []int{0, 1, 2, 3}}
 		slices.Reverse(rb.Seqs)
 		back := rows(split.forward(t, rb))
+		// Read as a pipeline's kernels start, at its first decode pass.
 		if step == 0 {
-			t.Setenv("MESHNODE_FUSED_ROWS", "2") // read as capped's kernels start, at its first decode pass
+			t.Setenv("MESHNODE_FUSED_ROWS", "2")
+		}
+		in2 := rows(chunked.forward(t, b))
+		if step == 0 {
+			t.Setenv("MESHNODE_FUSED_ROWS", "1")
 		}
 		onGGML := rows(capped.forward(t, b))
 		for s := range seqs {
 			if !slices.Equal(back[seqs-1-s], got[s]) {
 				t.Fatalf("step %d: sequence %d in reverse order over two stages differs from one stage's pass", step, s+1)
+			}
+			if !slices.Equal(in2[s], got[s]) {
+				t.Fatalf("step %d: sequence %d in passes of two differs from one pass of four", step, s+1)
 			}
 			one := alone.forward(t, stage.Batch{Seqs: b.Seqs[s : s+1], Pos: b.Pos[s : s+1], Tokens: b.Tokens[s : s+1], Outputs: []int{0}})
 			// A few cached f16 values round the other way (see fused_check's
@@ -323,21 +334,21 @@ func TestGPUFusedRows(t *testing.T) {
 		if !(rel < 0.1) {
 			t.Fatalf("step %d: fused logits of four rows off ggml's by %.3g (relative L2)", step, rel)
 		}
-		// Over MESHNODE_FUSED_ROWS the pass runs on ggml, as the reference does.
+		// With one row a pass it runs on ggml, as the reference does.
 		if rel := relErr(onGGML, ref); !(rel < 1e-5) {
-			t.Fatalf("step %d: a pass of four rows over MESHNODE_FUSED_ROWS=2 is off ggml's by %.3g: it did not run on ggml", step, rel)
+			t.Fatalf("step %d: a pass of four rows with MESHNODE_FUSED_ROWS=1 is off ggml's by %.3g: it did not run on ggml", step, rel)
 		}
 		for s := range seqs {
 			next[s] = argmax(got[s])
 			pos[s]++
 		}
 	}
-	for _, p := range []*pipeline{together, split, capped} {
+	for _, p := range []*pipeline{together, split, chunked, capped} {
 		for _, s := range p.stages {
 			if on, why := s.Fused(); !on {
 				t.Fatalf("stage %s left the fused path: %s", s.Info().Range(), why)
 			}
 		}
 	}
-	t.Logf("12 steps of four rows: the same bits in one stage and in two; worst relative L2 difference from each sequence alone %.2e, from ggml's four-row pass %.2e", worstAlone, worst)
+	t.Logf("12 steps of four rows: the same bits in one stage, in two and in passes of two; worst relative L2 difference from each sequence alone %.2e, from ggml's four-row pass %.2e", worstAlone, worst)
 }
