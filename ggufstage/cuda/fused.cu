@@ -689,9 +689,9 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	// A block takes units of 16 matrix rows; its warps share each unit's
 	// columns, a super-block (256) a step, each warp a run of steps of its
 	// own, and their sums meet in shared memory in warp order. One warp a
-	// unit left most warps idle (a matrix of 4096 rows is 256 units) and
-	// ran at 220-410 GB/s (run 72). Copying two super-blocks a step, or
-	// keeping six steps in flight, changed nothing (run 75).
+	// unit left most warps idle (a matrix of 4096 rows is 256 units): QKV,
+	// O and down ran at 220-410 GB/s (run 72). Copying two super-blocks a
+	// step, or keeping six steps in flight, changed nothing (run 75).
 	const int S = a.k / 256; // steps a unit takes
 	const int s0 = warp * S / kWarps, per = (warp + 1) * S / kWarps - s0;
 	const int units = (a.total + kMmaRows - 1) / kMmaRows;
