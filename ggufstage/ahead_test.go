@@ -153,6 +153,12 @@ func checkBuildAhead(t *testing.T, device string, perLane Switch) {
 		tol := 0.0
 		if i >= lanes {
 			tol = 1e-4
+			if !cpuAttention() {
+				// ggml's attention rounds scores to f16 in cell order: on an
+				// AVX2-only EPYC another cell moved stories260K's logits by
+				// 7.8e-4. A row left in the cache moves them by tenths.
+				tol = 2e-3
+			}
 		}
 		if d := maxAbsDiff(got, want); d > tol || argmax(got) != argmax(want) {
 			t.Fatalf("step %d (%v): logits differ by %g with passes built ahead", i, st.rows, d)

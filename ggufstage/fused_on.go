@@ -82,12 +82,6 @@ import (
 	"github.com/meshnode/meshnode/stage"
 )
 
-// fusedPasses is the most fused passes one batch takes; larger batches run
-// on ggml. Passes of eight rows of the 8B model took 5.3 ms on an H200
-// (run 77), so four (32 rows) cost more than ggml's one pass of 32 (about
-// 19 ms a step), and two (16 rows) less than its pass of 16 (15 ms, run 51).
-const fusedPasses = 2
-
 // FusedLibrary is the file name deploy/gpu/build-cuda.sh gives the fused
 // path's library, beside ggml's CUDA backend.
 const FusedLibrary = "libmeshnode-fused.so"
@@ -359,7 +353,8 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		}
 	}
 	n := b.Rows()
-	if n > fusedPasses*f.maxRows || (n > 1 && f.maxRows < 2) {
+	sizes := fusedPassSizes(n, f.maxRows)
+	if sizes == nil {
 		return nil, false, nil // ggml runs it
 	}
 	start := time.Now()
@@ -396,11 +391,8 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		return nil, true, err
 	}
 	var graph, wait time.Duration
-	// Passes of at most maxRows rows, as even as they can be.
-	passes := (n + f.maxRows - 1) / f.maxRows
-	per := (n + passes - 1) / passes
-	for r0 := 0; r0 < n; r0 += per {
-		rows := min(per, n-r0)
+	r0 := 0
+	for _, rows := range sizes {
 		f.tokens, f.pos, f.loc, f.ncells, f.cells = f.tokens[:0], f.pos[:0], f.loc[:0], f.ncells[:0], f.cells[:0]
 		for r := r0; r < r0+rows; r++ {
 			loc, err := f.view.place(slots[r], b.Pos[r])
@@ -450,6 +442,7 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 			e.broken.Store(err)
 			return fail(err)
 		}
+		r0 += rows
 	}
 	e.phases.passes.Add(1)
 	e.phases.graph.Add(int64(graph))

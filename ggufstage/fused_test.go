@@ -134,6 +134,39 @@ func TestFusedTakes(t *testing.T) {
 	}
 }
 
+// TestFusedPassSizes: a batch runs in at most fusedPasses fused passes of
+// at most maxRows rows, as even as they can be, else on ggml (nil).
+func TestFusedPassSizes(t *testing.T) {
+	tests := []struct {
+		n, maxRows int
+		want       []int
+	}{
+		{1, 8, []int{1}},
+		{8, 8, []int{8}},
+		{9, 8, []int{5, 4}},
+		{15, 8, []int{8, 7}},
+		{16, 8, []int{8, 8}},
+		{17, 8, nil},
+		{32, 8, nil},
+		{4, 2, []int{2, 2}},
+		{3, 2, []int{2, 1}},
+		{5, 2, nil},
+		{7, 4, []int{4, 3}},
+		{1, 1, []int{1}},
+		{2, 1, nil},
+		{0, 8, nil},
+	}
+	for _, tc := range tests {
+		got := fusedPassSizes(tc.n, tc.maxRows)
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("fusedPassSizes(%d, %d) = %v, want %v", tc.n, tc.maxRows, got, tc.want)
+		}
+		if got != nil && fusedPasses*tc.maxRows < tc.n {
+			t.Errorf("fusedPassSizes(%d, %d) took more than %d passes", tc.n, tc.maxRows, fusedPasses)
+		}
+	}
+}
+
 // rangesOf lists the cache's cell ranges, sorted.
 func rangesOf(v *causalView) []string {
 	var out []string

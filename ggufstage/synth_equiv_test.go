@@ -242,6 +242,11 @@ func TestRepackedMatchesPlain(t *testing.T) {
 				expect := 0
 				if RepackAvailable && repackCPU() {
 					expect = repackable(t, src)
+					if expect == 0 && !x16CPU() {
+						// ggml repacks only Q4_0 and Q4_K; meshnode's X16 takes the
+						// rest where the CPU has AVX512-VNNI.
+						t.Skipf("no %s tensor takes a fast layout on this CPU (X16 needs AVX512-VNNI)", ft)
+					}
 					if expect == 0 {
 						t.Fatalf("%s has no repackable tensors: the test would check nothing", ft)
 					}
