@@ -285,3 +285,27 @@ func TestDeviceBandwidthUnknownDevice(t *testing.T) {
 		t.Fatalf("measuring a device that is not there: %v", err)
 	}
 }
+
+// TestDefaultThreads: a stage gets a thread per bytesPerThread of its file,
+// at least one and at most every core.
+func TestDefaultThreads(t *testing.T) {
+	tests := []struct {
+		size  int64
+		cores int
+		want  int
+	}{
+		{0, 8, 1},
+		{1200 << 10, 2, 1}, // stories260K
+		{bytesPerThread, 16, 1},
+		{2*bytesPerThread + 1, 16, 2},
+		{609 << 20, 2, 2}, // 1B Q4_0
+		{609 << 20, 64, 19},
+		{5 << 30, 16, 16},
+		{5 << 30, 1, 1},
+	}
+	for _, tc := range tests {
+		if got := defaultThreads(tc.size, tc.cores); got != tc.want {
+			t.Errorf("defaultThreads(%d, %d) = %d, want %d", tc.size, tc.cores, got, tc.want)
+		}
+	}
+}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"runtime"
 
 	"github.com/ollama/ollama/ml"
 	"github.com/ollama/ollama/model"
@@ -30,7 +29,7 @@ func OpenStock(path string, opts Options) (s *Stock, err error) {
 	defer backendMu.Unlock()
 	defer recoverErr(&err, "loading "+path)
 	if opts.Threads <= 0 {
-		opts.Threads = runtime.NumCPU()
+		opts.Threads = DefaultThreads(path)
 	}
 	if opts.MaxSeqs <= 0 {
 		opts.MaxSeqs = 4

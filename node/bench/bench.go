@@ -95,6 +95,9 @@ func (c *Config) defaults() {
 // that machine drift hits both alike.
 func Run(ctx context.Context, cfg Config, log io.Writer) ([]Row, error) {
 	cfg.defaults()
+	if cfg.Threads <= 0 {
+		cfg.Threads = ggufstage.DefaultThreads(cfg.Model) // every engine alike, and the bandwidth
+	}
 	maxStreams := slices.Max(cfg.Streams)
 	opts := ggufstage.Options{
 		Threads: cfg.Threads, MaxSeqs: maxStreams, Context: cfg.PromptTokens + cfg.DecodeTokens + 8,

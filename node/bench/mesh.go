@@ -56,7 +56,7 @@ type MeshConfig struct {
 	PrefillTokens int
 	DecodeTokens  int           // max_tokens of every request; default 128
 	Runs          int           // rounds, each forming every mesh once in turn; medians (of the rounds' ratios too) are reported
-	Threads       int           // --threads of every node; 0 = all cores
+	Threads       int           // --threads of every node; 0 = the nodes' default (ggufstage.DefaultThreads)
 	NodeArgs      []string      // extra flags for every node (e.g. --flash-attn)
 	GPUPerNode    bool          // node i sees only GPU i-1 (CUDA_VISIBLE_DEVICES), as on a multi-GPU host
 	SkipLoopback  bool          // measure only in network namespaces
@@ -242,7 +242,7 @@ func RunMesh(ctx context.Context, cfg MeshConfig, log io.Writer) (rows []MeshRow
 
 func threadsText(n int) string {
 	if n <= 0 {
-		return "all cores each"
+		return "threads by stage size"
 	}
 	return fmt.Sprintf("%d threads each", n)
 }
