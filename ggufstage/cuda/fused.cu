@@ -101,7 +101,7 @@ struct GemvArgs {
 	int xdsRow;  // its scales' float2s from one row to the next
 	int xStride, yStride; // floats from one row of x, y to the next
 	uint8_t *img; // gemvMMA: the quantized input as quantizeImage wrote it (xq's rows, then xds's)
-	int debug; // mf_profile: 1 skips the input's quantization, 2 the dot products
+	int debug; // mf_profile: 1 skips the input's quantization (gemvMMA: its copy), 2 the dot products
 };
 
 // Constant indices only: indexing the kernel's parameter arrays with a
@@ -404,6 +404,16 @@ __device__ __forceinline__ float q6Sum(const int (&s)[4][2], const int8_t *sc, f
 	return __fmul_rn(d, acc); // never fused into the caller's add of the two halves
 }
 
+// Weights l..l+3 of each 32-weight quarter m of half a Q6_K block (ql, qh
+// its low and high bits), as signed bytes in v[m].
+__device__ __forceinline__ void q6Quads(const uint8_t *ql, const uint8_t *qh, int l, int (&v)[4]) {
+	const uint32_t qa = u32At2(ql + l), qb = u32At2(ql + l + 32), h = u32At2(qh + l);
+	v[0] = (int)__vsubss4((qa & 0x0f0f0f0fu) | ((h << 4) & 0x30303030u), 0x20202020u);
+	v[1] = (int)__vsubss4((qb & 0x0f0f0f0fu) | ((h << 2) & 0x30303030u), 0x20202020u);
+	v[2] = (int)__vsubss4(((qa >> 4) & 0x0f0f0f0fu) | (h & 0x30303030u), 0x20202020u);
+	v[3] = (int)__vsubss4(((qb >> 4) & 0x0f0f0f0fu) | ((h >> 2) & 0x30303030u), 0x20202020u);
+}
+
 // Half (128 weights) of a Q6_K block against the input from weight base on.
 __device__ __forceinline__ float dotQ6Half(const uint8_t *blk, int half, int sb, const int8_t *xq,
                                            const float2 *xds) {
@@ -419,16 +429,11 @@ __device__ __forceinline__ float dotQ6Half(const uint8_t *blk, int half, int sb,
 	int s[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};
 #pragma unroll
 	for (int l = 0; l < 32; l += 4) {
-		const uint32_t qa = u32At2(ql + l), qb = u32At2(ql + l + 32), h = u32At2(qh + l);
+		int v[4];
+		q6Quads(ql, qh, l, v);
 		const int g = l >> 4;
-		const int v0 = (int)__vsubss4((qa & 0x0f0f0f0fu) | ((h << 4) & 0x30303030u), 0x20202020u);
-		const int v1 = (int)__vsubss4((qb & 0x0f0f0f0fu) | ((h << 2) & 0x30303030u), 0x20202020u);
-		const int v2 = (int)__vsubss4(((qa >> 4) & 0x0f0f0f0fu) | (h & 0x30303030u), 0x20202020u);
-		const int v3 = (int)__vsubss4(((qb >> 4) & 0x0f0f0f0fu) | ((h >> 2) & 0x30303030u), 0x20202020u);
-		s[0][g] = __dp4a(v0, xi(l), s[0][g]);
-		s[1][g] = __dp4a(v1, xi(32 + l), s[1][g]);
-		s[2][g] = __dp4a(v2, xi(64 + l), s[2][g]);
-		s[3][g] = __dp4a(v3, xi(96 + l), s[3][g]);
+#pragma unroll
+		for (int m = 0; m < 4; m++) s[m][g] = __dp4a(v[m], xi(32 * m + l), s[m][g]);
 	}
 	return q6Sum(s, sc, d, half, sb, xds);
 }
@@ -449,12 +454,9 @@ __device__ __forceinline__ void dotQ6HalfRows(const uint8_t *blk, int half, int 
 		for (int m = 0; m < 4; m++) s[r][m][0] = s[r][m][1] = 0;
 #pragma unroll
 	for (int l = 0; l < 32; l += 4) {
-		const uint32_t qa = u32At2(ql + l), qb = u32At2(ql + l + 32), hh = u32At2(qh + l);
+		int v[4];
+		q6Quads(ql, qh, l, v);
 		const int g = l >> 4;
-		const int v0 = (int)__vsubss4((qa & 0x0f0f0f0fu) | ((hh << 4) & 0x30303030u), 0x20202020u);
-		const int v1 = (int)__vsubss4((qb & 0x0f0f0f0fu) | ((hh << 2) & 0x30303030u), 0x20202020u);
-		const int v2 = (int)__vsubss4(((qa >> 4) & 0x0f0f0f0fu) | (hh & 0x30303030u), 0x20202020u);
-		const int v3 = (int)__vsubss4(((qb >> 4) & 0x0f0f0f0fu) | ((hh >> 2) & 0x30303030u), 0x20202020u);
 #pragma unroll
 		for (int r = 0; r < ROWS; r++) {
 			if (r >= nrows) break;
@@ -463,10 +465,10 @@ __device__ __forceinline__ void dotQ6HalfRows(const uint8_t *blk, int half, int 
 				o += 128 * half;
 				return *reinterpret_cast<const int *>(xqChunk(xr, sb, o >> 4) + (o & 15));
 			};
-			s[r][0][g] = __dp4a(v0, xi(l), s[r][0][g]);
-			s[r][1][g] = __dp4a(v1, xi(32 + l), s[r][1][g]);
-			s[r][2][g] = __dp4a(v2, xi(64 + l), s[r][2][g]);
-			s[r][3][g] = __dp4a(v3, xi(96 + l), s[r][3][g]);
+			s[r][0][g] = __dp4a(v[0], xi(l), s[r][0][g]);
+			s[r][1][g] = __dp4a(v[1], xi(32 + l), s[r][1][g]);
+			s[r][2][g] = __dp4a(v[2], xi(64 + l), s[r][2][g]);
+			s[r][3][g] = __dp4a(v[3], xi(96 + l), s[r][3][g]);
 		}
 	}
 #pragma unroll
