@@ -94,7 +94,7 @@ struct GemvArgs {
 	float *y;
 	int epi;
 	int threads; // the block's: kThreads or kWideThreads (gemvShape)
-	int rowsCap; // the kernel's ROWS, or for gemvMMA the rows its buffers hold
+	int rowsCap; // the input rows the kernel's buffers hold: 1, or for gemvMMA 2, 4 or kMaxRows
 	int nrows;   // input rows (sequences), at most rowsCap
 	int mma;     // gemvMMA runs it
 	int xqRow;   // bytes from one row of the quantized input to the next
@@ -157,7 +157,9 @@ __device__ __forceinline__ void pdlLaunchNext() { asm volatile("griddepcontrol.l
 constexpr int kHeld = 4; // half-blocks of 16 a thread holds while normalizing: embd <= 16384
 
 // Quantizes 16 values, half hg of a block of 32 whose other half the
-// neighbouring lane holds, as ggml's q8_1 does for its mat-vec.
+// neighbouring lane holds, as ggml's q8_1 does for its mat-vec. PLAIN
+// stores them unpermuted (see gemvMMA), else as xqChunk and xdsAt read them.
+template <bool PLAIN = false>
 __device__ __forceinline__ void quantizeHalf(const float (&v)[16], int hg, bool store, int8_t *xq, float2 *xds) {
 	float amax = 0.f;
 #pragma unroll
@@ -176,8 +178,9 @@ __device__ __forceinline__ void quantizeHalf(const float (&v)[16], int hg, bool 
 	sum += __shfl_xor_sync(0xffffffffu, sum, 1);
 	if (!store) return;
 	const int sb = hg >> 4, c = hg & 15;
-	*reinterpret_cast<int4 *>(const_cast<int8_t *>(xqChunk(xq, sb, c))) = make_int4(packed[0], packed[1], packed[2], packed[3]);
-	if (!(c & 1)) xds[sb * 8 + ((c >> 1) ^ (sb & 7))] = make_float2(d, d * (float)sum);
+	int8_t *chunk = PLAIN ? xq + 16 * hg : const_cast<int8_t *>(xqChunk(xq, sb, c));
+	*reinterpret_cast<int4 *>(chunk) = make_int4(packed[0], packed[1], packed[2], packed[3]);
+	if (!(c & 1)) xds[PLAIN ? hg >> 1 : sb * 8 + ((c >> 1) ^ (sb & 7))] = make_float2(d, d * (float)sum);
 }
 
 __device__ __forceinline__ void load16(const float *p, float (&v)[16]) {
@@ -260,8 +263,9 @@ __device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float 
 // quantizeInput does for it alone (thread t sums halves t, t+THREADS, ...
 // of the row, in that order, then the warps' sums in order), so that a row
 // quantizes to the same bits in a pass of any number of rows; several rows
-// share a thread's kHeld slots when a row needs fewer.
-template <int THREADS, typename F>
+// share a thread's kHeld slots when a row needs fewer. PLAIN: see
+// quantizeHalf.
+template <int THREADS, bool PLAIN = false, typename F>
 __device__ void quantizeRows(const GemvArgs &a, int8_t *xq, float2 *xds, float *red, const float *normS, F afterLoads) {
 	constexpr int kWarps = THREADS / 32;
 	const int halves = a.k / 16, warp = threadIdx.x >> 5;
@@ -282,7 +286,7 @@ __device__ void quantizeRows(const GemvArgs &a, int8_t *xq, float2 *xds, float *
 				if (i0 + i >= iters) break;
 				const int hg = threadIdx.x + THREADS * (i0 + i);
 				const int r = hg < total ? hg / halves : 0;
-				quantizeHalf(v[i], hg - r * halves, hg < total, xq + r * rowQ, xds + r * rowD);
+				quantizeHalf<PLAIN>(v[i], hg - r * halves, hg < total, xq + r * rowQ, xds + r * rowD);
 			}
 		}
 		__syncthreads();
@@ -342,7 +346,7 @@ __device__ void quantizeRows(const GemvArgs &a, int8_t *xq, float2 *xds, float *
 #pragma unroll
 			for (int j = 0; j < 16; j++) v[s][j] = v[s][j] * sc * n[j];
 			const int r = ok ? r0 + rr : 0;
-			quantizeHalf(v[s], hg, ok, xq + r * rowQ, xds + r * rowD);
+			quantizeHalf<PLAIN>(v[s], hg, ok, xq + r * rowQ, xds + r * rowD);
 		}
 		__syncthreads(); // red is written again for the next rows
 	}
@@ -438,46 +442,6 @@ __device__ __forceinline__ float dotQ6Half(const uint8_t *blk, int half, int sb,
 	return q6Sum(s, sc, d, half, sb, xds);
 }
 
-// Half a Q6_K block against each of nrows inputs (row r at r*k in xq and
-// r*k/32 in xds), into h[r]: the 6-bit values are unpacked once.
-template <int ROWS>
-__device__ __forceinline__ void dotQ6HalfRows(const uint8_t *blk, int half, int sb, const int8_t *xq, const float2 *xds, int k,
-                                              int nrows, float (&h)[ROWS]) {
-	const uint8_t *ql = blk + 64 * half;
-	const uint8_t *qh = blk + 128 + 32 * half;
-	const int8_t *sc = reinterpret_cast<const int8_t *>(blk + 192 + 8 * half);
-	const float d = halfAt(blk + 208);
-	int s[ROWS][4][2];
-#pragma unroll
-	for (int r = 0; r < ROWS; r++)
-#pragma unroll
-		for (int m = 0; m < 4; m++) s[r][m][0] = s[r][m][1] = 0;
-#pragma unroll
-	for (int l = 0; l < 32; l += 4) {
-		int v[4];
-		q6Quads(ql, qh, l, v);
-		const int g = l >> 4;
-#pragma unroll
-		for (int r = 0; r < ROWS; r++) {
-			if (r >= nrows) break;
-			const int8_t *xr = xq + r * k;
-			auto xi = [&](int o) {
-				o += 128 * half;
-				return *reinterpret_cast<const int *>(xqChunk(xr, sb, o >> 4) + (o & 15));
-			};
-			s[r][0][g] = __dp4a(v[0], xi(l), s[r][0][g]);
-			s[r][1][g] = __dp4a(v[1], xi(32 + l), s[r][1][g]);
-			s[r][2][g] = __dp4a(v[2], xi(64 + l), s[r][2][g]);
-			s[r][3][g] = __dp4a(v[3], xi(96 + l), s[r][3][g]);
-		}
-	}
-#pragma unroll
-	for (int r = 0; r < ROWS; r++) {
-		if (r >= nrows) break;
-		h[r] = q6Sum(s[r], sc, d, half, sb, xds + r * (k / 32));
-	}
-}
-
 __device__ __forceinline__ void cpAsync16(void *dst, const void *src) {
 	const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
 	asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
@@ -495,20 +459,17 @@ template <int N> __device__ __forceinline__ void cpAsyncWait() { asm volatile("c
 // the warp's other stage buffer) while it computes the current one.
 // COPY: the bytes of each copy (a.copyBytes), a template argument: one
 // kernel with the three copy loops ran the Q6_K head at 192 us, not 131.
-// ROWS: the most input rows (a.nrows) it takes; each lane keeps a sum per
-// row, and a weight copied once serves them all (the Q6_K head: Q4_0
-// passes of several rows run on gemvMMA).
-template <int TYPE, int THREADS, int COPY, int ROWS>
+// One input row: passes of several run on gemvMMA.
+template <int TYPE, int THREADS, int COPY>
 __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
-	static_assert(TYPE == MF_Q6_K || ROWS == 1, "Q4_0 passes of several rows run on gemvMMA");
 	constexpr int kThreads = THREADS, kWarps = THREADS / 32;
 	constexpr int kMaxChunks = TYPE == MF_Q4_0 ? 9 : 14; // 16-byte copies a lane makes per step
 	extern __shared__ __align__(16) uint8_t smem[];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	uint8_t *stages = smem + warp * 2 * a.stageBytes;
 	int8_t *xq = reinterpret_cast<int8_t *>(smem + kWarps * 2 * a.stageBytes);
-	float2 *xds = reinterpret_cast<float2 *>(xq + ROWS * a.k);
-	float *red = reinterpret_cast<float *>(xds + ROWS * (a.k / 32));
+	float2 *xds = reinterpret_cast<float2 *>(xq + a.k);
+	float *red = reinterpret_cast<float *>(xds + a.k / 32);
 	float *normS = red + kRed; // the norm's weights, copied before the wait: k floats
 
 	const int slotStride = a.group * a.sbBytes;
@@ -566,15 +527,11 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 	};
 	if (a.debug & 1)
 		afterLoads();
-	else if constexpr (ROWS == 1)
-		quantizeInput<THREADS>(a, xq, xds, red, a.normDirect ? a.norm : normS, afterLoads);
 	else
-		quantizeRows<THREADS>(a, xq, xds, red, a.normDirect ? a.norm : normS, afterLoads);
+		quantizeInput<THREADS>(a, xq, xds, red, a.normDirect ? a.norm : normS, afterLoads);
 
-	// Lane i ends a unit with the sums of its matrix row i, one per input row.
-	float acc[ROWS], mine[ROWS];
-#pragma unroll
-	for (int r = 0; r < ROWS; r++) acc[r] = mine[r] = 0.f;
+	// Lane i ends a unit with the sum of its matrix row i.
+	float acc = 0.f, mine = 0.f;
 	for (int k = 0; k < steps; k++) {
 		issue(k + 1);
 		cpAsyncWait<1>();
@@ -592,52 +549,35 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 					const uint4 t = reinterpret_cast<const uint4 *>(w)[i];
 					W[4 * i] = t.x, W[4 * i + 1] = t.y, W[4 * i + 2] = t.z, W[4 * i + 3] = t.w;
 				}
-				acc[0] += dotQ4SB(W, sb, xq, xds);
-			} else if constexpr (ROWS == 1) {
-				acc[0] += dotQ6Half(w, 0, sb, xq, xds) + dotQ6Half(w, 1, sb, xq, xds);
+				acc += dotQ4SB(W, sb, xq, xds);
 			} else {
-				float h0[ROWS], h1[ROWS];
-				dotQ6HalfRows<ROWS>(w, 0, sb, xq, xds, a.k, a.nrows, h0);
-				dotQ6HalfRows<ROWS>(w, 1, sb, xq, xds, a.k, a.nrows, h1);
-#pragma unroll
-				for (int r = 0; r < ROWS; r++)
-					if (r < a.nrows) acc[r] += h0[r] + h1[r];
+				acc += dotQ6Half(w, 0, sb, xq, xds) + dotQ6Half(w, 1, sb, xq, xds);
 			}
 		}
 		__syncwarp(); // the stage is copied into again by the next step's issue
 		if (pass < a.passes - 1) continue;
 		for (int sl = 0; sl < a.rpp; sl++) {
-#pragma unroll
-			for (int r = 0; r < ROWS; r++) {
-				if (ROWS > 1 && r >= a.nrows) break;
-				const float t = warpSum(mySlot == sl ? acc[r] : 0.f);
-				if (lane == round * a.rpp + sl) mine[r] = t;
-			}
+			const float t = warpSum(mySlot == sl ? acc : 0.f);
+			if (lane == round * a.rpp + sl) mine = t;
 		}
-#pragma unroll
-		for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
+		acc = 0.f;
 		if (round < rounds - 1) continue;
 		const int v = unit * a.unitRows + lane;
-#pragma unroll
-		for (int r = 0; r < ROWS; r++) {
-			if (ROWS > 1 && r >= a.nrows) break;
-			float *y = a.y + (size_t)r * a.yStride;
-			if (a.epi == kSwiGLU) {
-				const float up = __shfl_down_sync(0xffffffffu, mine[r], 1);
-				if (lane < a.unitRows && !(lane & 1) && v < a.total) y[v >> 1] = mine[r] / (1.f + __expf(-mine[r])) * up;
-			} else if (lane < a.unitRows && v < a.total) {
-				if (a.epi == kAdd)
-					y[v] += mine[r];
-				else
-					y[v] = mine[r] + biasAt(a, v);
-			}
+		if (a.epi == kSwiGLU) {
+			const float up = __shfl_down_sync(0xffffffffu, mine, 1);
+			if (lane < a.unitRows && !(lane & 1) && v < a.total) a.y[v >> 1] = mine / (1.f + __expf(-mine)) * up;
+		} else if (lane < a.unitRows && v < a.total) {
+			if (a.epi == kAdd)
+				a.y[v] += mine;
+			else
+				a.y[v] = mine + biasAt(a, v);
 		}
 	}
 	cpAsyncWait<0>();
 }
 
-// The mat-vec of several rows (2 to kMaxRows) for Q4_0 matrices, on the
-// tensor cores: for 16 matrix rows and each block of 32 columns, one int8
+// The mat-vec of several rows (2 to kMaxRows) for Q4_0 and Q6_K matrices,
+// on the tensor cores: for 16 matrix rows and each block of 32 columns, one int8
 // mma.m16n8k32 multiplies them by the block of all eight input rows
 // (columns of B); the integer sums are exact, and each
 // is scaled as dotQ4SB scales its own. dp4a, with a lane's sums for every
@@ -647,6 +587,14 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 // Weights come into shared memory as in gemv: a stage is 16 rows × 256
 // columns (8 blocks, 144 bytes a row), kMmaStages of them in flight a warp.
 constexpr int kMmaRows = 16, kMmaStageBytes = kMmaRows * 8 * kQ4Bytes, kMmaStages = 3;
+// The Q6_K head's passes of several rows: dp4a with a sum per row took 793
+// us at eight rows of the 8B model (137 at one, run 77), mma 302 (run 79).
+// A Q6_K super-block (210 bytes) starts at an even byte,
+// never 16-byte aligned throughout a row, so a stage row holds the 14
+// aligned 16-byte pieces that cover it, and reads start at its offset.
+// Stage rows are 240 bytes apart, so that the eight rows a warp's lanes
+// read at once sit in different banks.
+constexpr int kMma6Pieces = 14, kMma6RowBytes = 240, kMma6StageBytes = kMmaRows * kMma6RowBytes;
 
 __device__ __forceinline__ void mma16x8x32(const uint32_t (&A)[4], uint32_t b0, uint32_t b1, int (&C)[4]) {
 	asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
@@ -654,11 +602,22 @@ __device__ __forceinline__ void mma16x8x32(const uint32_t (&A)[4], uint32_t b0, 
 	             : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
+// Q6_K's sub-blocks of 16 weights have scales of their own: one mma a
+// sub-block (see mma16x8x32 for the fragments; here k is 16).
+__device__ __forceinline__ void mma16x8x16(uint32_t a0, uint32_t a1, uint32_t b0, int (&C)[4]) {
+	asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
+	             : "=r"(C[0]), "=r"(C[1]), "=r"(C[2]), "=r"(C[3])
+	             : "r"(a0), "r"(a1), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
 // quantizeImage quantizes input row blockIdx.x of a gemvMMA pass into
 // a.img, laid out as gemvMMA's shared memory holds it: once for the pass,
 // where each of gemvMMA's blocks had quantized every row itself, reading
 // 128 KB of floats a block at eight rows of 4096 (11 of gate/up's 50 us,
-// run 75). The arithmetic is quantizeRows', so the bits are the same.
+// run 75). The arithmetic is quantizeRows', so the bits are the same. The
+// layout is plain, not permuted by super-block: a gemvMMA warp's lanes all
+// read one super-block, and working out the permuted places took as many
+// instructions as the dot products.
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) quantizeImage(GemvArgs a) {
 	__shared__ float red[kRed];
@@ -669,16 +628,65 @@ __global__ void __launch_bounds__(THREADS) quantizeImage(GemvArgs a) {
 	one.nrows = 1, one.x = a.x + (size_t)r * a.xStride;
 	int8_t *xq = reinterpret_cast<int8_t *>(a.img) + (size_t)r * a.xqRow;
 	float2 *xds = reinterpret_cast<float2 *>(a.img + (size_t)a.rowsCap * a.xqRow) + (size_t)r * a.xdsRow;
-	quantizeRows<THREADS>(one, xq, xds, red, a.norm, [] {});
+	quantizeRows<THREADS, true>(one, xq, xds, red, a.norm, [] {});
+}
+
+// One Q6_K super-block of matrix rows g and g+8 (w0, w1 in shared memory)
+// against a super-block of the input (xs: its bytes 4q.. of input row g; e0,
+// e1: its block scales of input rows 2q, 2q+1), added to acc as gemvMMA
+// keeps it. Each
+// sub-block's integer sums are scaled by its 8-bit scale in integers, and
+// the two of a 32-weight block, which share the input's scale, are added
+// before turning to floats.
+__device__ __forceinline__ void dotQ6MMA(const uint8_t *w0, const uint8_t *w1, int q, const int8_t *xs, const float2 *e0,
+                                         const float2 *e1, float (&acc)[4]) {
+	float f[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+	for (int h = 0; h < 2; h++) {
+		const uint8_t *ql0 = w0 + 64 * h, *qh0 = w0 + 128 + 32 * h, *ql1 = w1 + 64 * h, *qh1 = w1 + 128 + 32 * h;
+		// The half's eight sub-block scales of each row, a byte each.
+		const uint32_t sa0 = u32At2(w0 + 192 + 8 * h), sb0 = u32At2(w0 + 196 + 8 * h);
+		const uint32_t sa1 = u32At2(w1 + 192 + 8 * h), sb1 = u32At2(w1 + 196 + 8 * h);
+		auto scale = [](uint32_t lo, uint32_t hi, int i) { // sub-block i of the half: signed byte
+			return (int)(int8_t)((i < 4 ? lo : hi) >> (8 * (i & 3)));
+		};
+		int is[4][4] = {}; // by quarter m: rows g, g+8 × inputs 2q, 2q+1, as C
+#pragma unroll
+		for (int s = 0; s < 2; s++) {
+			int v0[4], v1[4];
+			q6Quads(ql0, qh0, 16 * s + 4 * q, v0);
+			q6Quads(ql1, qh1, 16 * s + 4 * q, v1);
+#pragma unroll
+			for (int m = 0; m < 4; m++) {
+				const uint32_t b = *reinterpret_cast<const uint32_t *>(xs + 16 * (8 * h + 2 * m + s));
+				int C[4];
+				mma16x8x16((uint32_t)v0[m], (uint32_t)v1[m], b, C);
+				const int c0 = scale(sa0, sb0, 2 * m + s), c1 = scale(sa1, sb1, 2 * m + s);
+				is[m][0] += c0 * C[0], is[m][1] += c0 * C[1], is[m][2] += c1 * C[2], is[m][3] += c1 * C[3];
+			}
+		}
+#pragma unroll
+		for (int m = 0; m < 4; m++) {
+			const float x0 = e0[4 * h + m].x, x1 = e1[4 * h + m].x;
+			f[0] = fmaf(x0, (float)is[m][0], f[0]), f[1] = fmaf(x1, (float)is[m][1], f[1]);
+			f[2] = fmaf(x0, (float)is[m][2], f[2]), f[3] = fmaf(x1, (float)is[m][3], f[3]);
+		}
+	}
+	const float d0 = halfAt(w0 + 208), d1 = halfAt(w1 + 208);
+	acc[0] = fmaf(d0, f[0], acc[0]), acc[1] = fmaf(d0, f[1], acc[1]);
+	acc[2] = fmaf(d1, f[2], acc[2]), acc[3] = fmaf(d1, f[3], acc[3]);
 }
 
 // The bytes of a gemvMMA pass's quantized input (quantizeImage).
 __host__ __device__ size_t imageBytes(const GemvArgs &a) { return (size_t)a.rowsCap * (a.xqRow + a.xdsRow * sizeof(float2)); }
 
-template <int THREADS>
+template <int THREADS, int TYPE>
 __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a) {
+	static_assert(TYPE == MF_Q4_0 || TYPE == MF_Q6_K, "gemvMMA takes Q4_0 and Q6_K");
+	constexpr bool kQ6 = TYPE == MF_Q6_K;
 	constexpr int kWarps = THREADS / 32;
-	constexpr int kRowBytes = 8 * kQ4Bytes, kStageBytes = kMmaStageBytes, kPieces = kRowBytes / 16;
+	constexpr int kRowBytes = kQ6 ? kMma6RowBytes : 8 * kQ4Bytes, kStageBytes = kQ6 ? kMma6StageBytes : kMmaStageBytes;
+	constexpr int kPieces = kQ6 ? kMma6Pieces : kRowBytes / 16;
 	extern __shared__ __align__(16) uint8_t smem[];
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	const int g = lane >> 2, q = lane & 3; // the mma's groupID and thread in group
@@ -709,7 +717,13 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 				if (c < kMmaRows * kPieces) {
 					const int row = c / kPieces, piece = c % kPieces;
 					const int v = min(unit * kMmaRows + row, a.total - 1);
-					cpAsync16(dst + row * kRowBytes + piece * 16, rowPtr(a, v) + (size_t)sb * 8 * kQ4Bytes + piece * 16);
+					const uint8_t *src = rowPtr(a, v) + (size_t)sb * (kQ6 ? kQ6Bytes : 8 * kQ4Bytes);
+					// Q6_K: from the aligned piece that holds its first byte. A
+					// piece holding any of a row's bytes lies on that row's
+					// allocation's pages, so the bytes read past its end are
+					// harmless.
+					if constexpr (kQ6) src = reinterpret_cast<const uint8_t *>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t(15));
+					cpAsync16(dst + row * kRowBytes + piece * 16, src + piece * 16);
 				}
 			}
 		}
@@ -729,11 +743,22 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	cpAsyncWait<0>();
 	__syncthreads();
 
-	const bool live = g < a.nrows; // B's column g: input row g
-	const int8_t *xg = xq + g * a.xqRow; // rows a.xqRow apart: the eight rows' words in different banks
-	const bool live0 = 2 * q < a.nrows, live1 = 2 * q + 1 < a.nrows; // C's columns
+	// B's column g is input row g; C's columns are input rows 2q, 2q+1.
+	// Columns past the pass's rows compute on its last row and are never
+	// stored: each column's sums are its own.
+	const int last = a.nrows - 1;
+	const int8_t *xg = xq + min(g, last) * a.xqRow + 4 * q; // rows a.xqRow apart: the eight rows' words in different banks
+	const float2 *xd0 = xds + min(2 * q, last) * a.xdsRow, *xd1 = xds + min(2 * q + 1, last) * a.xdsRow;
 	for (int u = 0; u < nu; u++) {
 		float acc[4] = {0.f, 0.f, 0.f, 0.f}; // rows g, g+8 of the unit × input rows 2q, 2q+1
+		// Q6_K: where rows g and g+8 start in their stage rows, less the
+		// super-block's share (see issue).
+		int off0 = 0, off1 = 0;
+		if constexpr (kQ6) {
+			const int unit = blockIdx.x + u * gridDim.x;
+			off0 = (int)(reinterpret_cast<uintptr_t>(rowPtr(a, min(unit * kMmaRows + g, a.total - 1))) & 15);
+			off1 = (int)(reinterpret_cast<uintptr_t>(rowPtr(a, min(unit * kMmaRows + g + 8, a.total - 1))) & 15);
+		}
 		for (int j = 0; j < per; j++) {
 			const int k = u * per + j;
 			issue(k + kMmaStages - 1);
@@ -741,23 +766,33 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 			__syncwarp();
 			const uint8_t *st = stages + (k % kMmaStages) * kStageBytes;
 			const int sb = s0 + j;
+			if constexpr (kQ6) {
+				if (!(a.debug & 2)) {
+					const uint8_t *w0 = st + g * kRowBytes + ((off0 + sb * kQ6Bytes) & 15);
+					const uint8_t *w1 = st + (g + 8) * kRowBytes + ((off1 + sb * kQ6Bytes) & 15);
+					dotQ6MMA(w0, w1, q, xg + 256 * sb, xd0 + 8 * sb, xd1 + 8 * sb, acc);
+				}
+			} else {
 #pragma unroll
 			for (int bi = 0; bi < 8; bi++) {
 				if (a.debug & 2) break;
 				const uint8_t *w0 = st + g * kRowBytes + bi * kQ4Bytes, *w1 = w0 + 8 * kRowBytes;
-				const uint32_t q0 = u32At2(w0 + 2 + 4 * q), q1 = u32At2(w1 + 2 + 4 * q);
+				// An odd block's nibbles are 4-byte aligned (stage rows are 144
+				// bytes, blocks 18): one load, not two halves.
+				const uint32_t q0 = bi & 1 ? *reinterpret_cast<const uint32_t *>(w0 + 2 + 4 * q) : u32At2(w0 + 2 + 4 * q);
+				const uint32_t q1 = bi & 1 ? *reinterpret_cast<const uint32_t *>(w1 + 2 + 4 * q) : u32At2(w1 + 2 + 4 * q);
 				const uint32_t A[4] = {q0 & 0x0f0f0f0fu, q1 & 0x0f0f0f0fu, (q0 >> 4) & 0x0f0f0f0fu, (q1 >> 4) & 0x0f0f0f0fu};
-				const uint32_t b0 = live ? *reinterpret_cast<const uint32_t *>(xqChunk(xg, sb, 2 * bi) + 4 * q) : 0u;
-				const uint32_t b1 = live ? *reinterpret_cast<const uint32_t *>(xqChunk(xg, sb, 2 * bi + 1) + 4 * q) : 0u;
+				const uint32_t b0 = *reinterpret_cast<const uint32_t *>(xg + 256 * sb + 32 * bi);
+				const uint32_t b1 = *reinterpret_cast<const uint32_t *>(xg + 256 * sb + 32 * bi + 16);
 				int C[4];
 				mma16x8x32(A, b0, b1, C);
 				const float d0 = halfAt(w0), d1 = halfAt(w1);
-				const float2 e0 = live0 ? xdsAt(xds + (2 * q) * a.xdsRow, sb, bi) : make_float2(0.f, 0.f);
-				const float2 e1 = live1 ? xdsAt(xds + (2 * q + 1) * a.xdsRow, sb, bi) : make_float2(0.f, 0.f);
+				const float2 e0 = xd0[8 * sb + bi], e1 = xd1[8 * sb + bi];
 				acc[0] = fmaf(d0, fmaf(e0.x, (float)C[0], -8.f * e0.y), acc[0]);
 				acc[1] = fmaf(d0, fmaf(e1.x, (float)C[1], -8.f * e1.y), acc[1]);
 				acc[2] = fmaf(d1, fmaf(e0.x, (float)C[2], -8.f * e0.y), acc[2]);
 				acc[3] = fmaf(d1, fmaf(e1.x, (float)C[3], -8.f * e1.y), acc[3]);
+			}
 			}
 			__syncwarp(); // the stage is copied into again
 		}
@@ -855,17 +890,28 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	// kU cells per warp at a time: their loads are in flight together.
 	const int j0 = (int)((long long)n * s / active), j1 = (int)((long long)n * (s + 1) / active);
 	float kv[kU][D], vv[kU][D];
-	auto load = [&](int j) {
+	// The cells of a warp's next kU are fetched while it works on these:
+	// K and V's loads then wait on one round trip, not two.
+	int cell[kU];
+	auto fetch = [&](int j) {
+#pragma unroll
+		for (int u = 0; u < kU; u++) cell[u] = j + u < j1 ? cells[j + u] : cells[j];
+	};
+	auto load = [&]() {
 #pragma unroll
 		for (int u = 0; u < kU; u++) {
-			const int c = j + u < j1 ? cells[j + u] : cells[j];
-			const size_t off = ((size_t)c * a.nKV + g) * HD + lane * D;
+			const size_t off = ((size_t)cell[u] * a.nKV + g) * HD + lane * D;
 			loadHalves<D>(a.kc + off, kv[u]);
 			loadHalves<D>(a.vc + off, vv[u]);
 		}
 	};
+	constexpr int kStride = kAttnThreads / 32 * kU; // cells a block takes at once
 	const int jFirst = j0 + warp * kU;
-	if (jFirst < j1) load(jFirst);
+	if (jFirst < j1) {
+		fetch(jFirst);
+		load();
+		if (jFirst + kStride < j1) fetch(jFirst + kStride);
+	}
 	// The rotation depends on the position alone: worked out before the
 	// wait too.
 	float sn = 0.f, cs = 0.f;
@@ -914,8 +960,11 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 		for (int d = 0; d < D; d++) sc += qr[d] * kn[lane * D + d], v[d] = vn[lane * D + d];
 		add(warpSum(sc), v);
 	}
-	for (int j = jFirst; j < j1; j += kAttnThreads / 32 * kU) {
-		if (j != jFirst) load(j);
+	for (int j = jFirst; j < j1; j += kStride) {
+		if (j != jFirst) {
+			load();
+			if (j + kStride < j1) fetch(j + kStride);
+		}
 		float sc[kU];
 #pragma unroll
 		for (int u = 0; u < kU; u++) {
@@ -1119,7 +1168,7 @@ int copyWidth(const GemvArgs &a) {
 void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1) {
 	a.rowsCap = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : kMaxRows;
 	a.nrows = rows < 1 ? 1 : rows;
-	a.mma = rows > 1 && type == MF_Q4_0;
+	a.mma = rows > 1 && (type == MF_Q4_0 || type == MF_Q6_K);
 	// gemvMMA's rows of the input, padded: the eight rows' words, and four
 	// rows' scales, then sit in different banks.
 	a.xqRow = a.mma ? k + 16 : k;
@@ -1139,7 +1188,7 @@ void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1)
 	a.copyBytes = copyWidth(a);
 	a.threads = type == MF_Q6_K || k > 8192 ? kWideThreads : kThreads;
 	if (threads && type == MF_Q4_0) a.threads = threads; // the Q6_K head has only the wide kernel
-	if (a.mma) a.threads = kThreads, a.stageBytes = kMmaStageBytes;
+	if (a.mma) a.threads = kThreads, a.stageBytes = type == MF_Q6_K ? kMma6StageBytes : kMmaStageBytes;
 }
 
 size_t gemvSmem(const GemvArgs &a) {
@@ -1157,16 +1206,10 @@ void placeNorm(GemvArgs &a, int smemPerSM) {
 	if (a.norm && (size_t)blocksOf(a.threads) * (gemvSmem(a) + 1024) > (size_t)smemPerSM) a.normDirect = 1;
 }
 
-
-// fitShape places the norm, and for several rows narrows wide blocks whose
-// stage buffers leave no room for the rows' inputs. It says whether the
-// shape fits in a block's shared memory.
+// fitShape places the norm and says whether the shape fits in a block's
+// shared memory.
 bool fitShape(GemvArgs &a, int smemPerSM, int optin) {
 	placeNorm(a, smemPerSM);
-	if (a.rowsCap > 1 && a.threads == kWideThreads && gemvSmem(a) > (size_t)optin) {
-		a.threads = kThreads;
-		placeNorm(a, smemPerSM);
-	}
 	if (a.norm && gemvSmem(a) > (size_t)optin) a.normDirect = 1;
 	return gemvSmem(a) <= (size_t)optin;
 }
@@ -1176,23 +1219,15 @@ int blocksPerSM(const GemvArgs &a, int smemPerSM) {
 	return std::max(1, std::min(blocksOf(a.threads), smemPerSM / (int)(gemvSmem(a) + 1024)));
 }
 
-// The kernel for a type, block size, copy width and rows.
-template <int TYPE, int THREADS, int COPY> void (*gemvByRows(int rowsCap))(GemvArgs) {
-	switch (rowsCap) {
-	case 1: return gemv<TYPE, THREADS, COPY, 1>;
-	case 2: return gemv<TYPE, THREADS, COPY, 2>;
-	case 4: return gemv<TYPE, THREADS, COPY, 4>;
-	default: return gemv<TYPE, THREADS, COPY, kMaxRows>;
-	}
-}
+// The one-row kernel for a type, block size and copy width.
 template <int THREADS> void (*gemvByType(const GemvArgs &a))(GemvArgs) {
-	if (a.type == MF_Q4_0) return gemv<MF_Q4_0, THREADS, 16, 1>; // one row: several go to gemvMMA
-	if (a.copyBytes == 16) return gemvByRows<MF_Q6_K, THREADS, 16>(a.rowsCap);
-	if (a.copyBytes == 8) return gemvByRows<MF_Q6_K, THREADS, 8>(a.rowsCap);
-	return gemvByRows<MF_Q6_K, THREADS, 4>(a.rowsCap);
+	if (a.type == MF_Q4_0) return gemv<MF_Q4_0, THREADS, 16>;
+	if (a.copyBytes == 16) return gemv<MF_Q6_K, THREADS, 16>;
+	if (a.copyBytes == 8) return gemv<MF_Q6_K, THREADS, 8>;
+	return gemv<MF_Q6_K, THREADS, 4>;
 }
 void (*gemvFor(const GemvArgs &a))(GemvArgs) {
-	if (a.mma) return gemvMMA<kThreads>;
+	if (a.mma) return a.type == MF_Q6_K ? gemvMMA<kThreads, MF_Q6_K> : gemvMMA<kThreads, MF_Q4_0>;
 	return a.threads == kWideThreads ? gemvByType<kWideThreads>(a) : gemvByType<kThreads>(a);
 }
 
@@ -1238,7 +1273,9 @@ void launchAttention(mf_engine *e, const mf_layer &L, int nrows) {
 	a.neox = e->c.rope_neox;
 	a.ropeBase = e->c.rope_base, a.freqScale = e->c.rope_freq_scale;
 	a.scale = 1.f / sqrtf((float)e->c.head_dim);
-	dim3 grid(e->c.n_head, kSplits, nrows);
+	// No more splits than a head may use: blocks past them would only
+	// return, and at eight rows they were seven in eight of the grid.
+	dim3 grid(e->c.n_head, a.maxSplits, nrows);
 	if (e->c.head_dim == 128)
 		launch(e, attention<128>, grid, kAttnThreads, 0, a);
 	else
@@ -1400,15 +1437,12 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 			e->maxRows = rows;
 			break;
 		}
-	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kThreads, 16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
-	CE(cudaFuncSetAttribute(gemv<MF_Q4_0, kWideThreads, 16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
-	for (int cap : {1, 2, 4, kMaxRows}) {
-		for (auto k : {gemvByRows<MF_Q6_K, kThreads, 16>(cap), gemvByRows<MF_Q6_K, kThreads, 8>(cap),
-		               gemvByRows<MF_Q6_K, kThreads, 4>(cap), gemvByRows<MF_Q6_K, kWideThreads, 16>(cap),
-		               gemvByRows<MF_Q6_K, kWideThreads, 8>(cap), gemvByRows<MF_Q6_K, kWideThreads, 4>(cap)})
-			CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
-	}
-	CE(cudaFuncSetAttribute(gemvMMA<kThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
+	for (auto k : {gemv<MF_Q4_0, kThreads, 16>, gemv<MF_Q4_0, kWideThreads, 16>, gemv<MF_Q6_K, kThreads, 16>,
+	               gemv<MF_Q6_K, kThreads, 8>, gemv<MF_Q6_K, kThreads, 4>, gemv<MF_Q6_K, kWideThreads, 16>,
+	               gemv<MF_Q6_K, kWideThreads, 8>, gemv<MF_Q6_K, kWideThreads, 4>})
+		CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
+	CE(cudaFuncSetAttribute(gemvMMA<kThreads, MF_Q4_0>, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
+	CE(cudaFuncSetAttribute(gemvMMA<kThreads, MF_Q6_K>, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
 	{
 		int perSM = 0;
 		CE(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSM, c.head_dim == 128 ? attention<128> : attention<64>, kAttnThreads, 0));
