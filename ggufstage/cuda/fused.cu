@@ -1060,6 +1060,212 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	if (tid == 0) counter[h] = 0;
 }
 
+// attentionRows is attention for passes of several rows: one block per
+// (KV head, split, row) takes every query head of its group, so each K and
+// V is read once, not once per query head. With a block per query head an
+// eight-row pass of the 8B model read its 19 MB of K and V four times from
+// L2, and attention took 21.7 us a layer (run 81). GMAX: the most query
+// heads a group may have (4 or 8). Its sums run in another order than
+// attention's, the same in every pass of several rows.
+template <int HD, int GMAX> __global__ void __launch_bounds__(kAttnThreads) attentionRows(AttnArgs a) {
+	constexpr int D = HD / 32, kWarps = kAttnThreads / 32;
+	__shared__ float q[GMAX][HD], kn[HD], vn[HD], sn[HD / 2], cs[HD / 2];
+	__shared__ float wm[kWarps][GMAX], wl[kWarps][GMAX], wacc[kWarps][GMAX][HD];
+	__shared__ int last;
+	pdlLaunchNext();
+	const int g = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, row = blockIdx.z;
+	const int G = a.nHead / a.nKV, h0 = g * G; // the group's query heads: h0 .. h0+G-1
+	const int *prm = a.params + row * kParams;
+	const int pos = prm[0], loc = prm[1], n = prm[2];
+	const int *cells = a.params + kMaxRows * kParams + prm[4];
+	const float *qkv = a.qkv + (size_t)row * (a.nHead + 2 * a.nKV) * HD;
+	float *out = a.out + (size_t)row * a.nHead * HD;
+	float *part = a.part + (size_t)row * a.nHead * kSplits * (HD + 2);
+	int *counter = a.counter + row * a.nHead + h0;
+	const int active = min(a.maxSplits, max(1, (n + a.cellsPerSplit - 1) / a.cellsPerSplit));
+	if (s >= active) return;
+	const int warp = tid >> 5, lane = tid & 31;
+	const int j0 = (int)((long long)n * s / active), j1 = (int)((long long)n * (s + 1) / active);
+	float kv[kU][D], vv[kU][D];
+	int cell[kU];
+	auto fetch = [&](int j) {
+#pragma unroll
+		for (int u = 0; u < kU; u++) cell[u] = j + u < j1 ? cells[j + u] : cells[j];
+	};
+	auto load = [&]() {
+#pragma unroll
+		for (int u = 0; u < kU; u++) {
+			const size_t off = ((size_t)cell[u] * a.nKV + g) * HD + lane * D;
+			loadHalves<D>(a.kc + off, kv[u]);
+			loadHalves<D>(a.vc + off, vv[u]);
+		}
+	};
+	constexpr int kStride = kWarps * kU;
+	const int jFirst = j0 + warp * kU;
+	if (jFirst < j1) {
+		fetch(jFirst);
+		load();
+		if (jFirst + kStride < j1) fetch(jFirst + kStride);
+	}
+	if (tid < HD / 2) sincosf((float)pos * a.freqScale * powf(a.ropeBase, -2.f * (float)tid / (float)HD), &sn[tid], &cs[tid]);
+	pdlWait();
+	__syncthreads(); // sn, cs
+	// Rotate the group's q (G heads) and the new k; round k and v to f16 as
+	// the cache holds them.
+	for (int i = tid; i < (G + 1) * (HD / 2); i += kAttnThreads) {
+		const int hh = i / (HD / 2), p = i % (HD / 2);
+		const int i0 = a.neox ? p : 2 * p, i1 = a.neox ? p + HD / 2 : 2 * p + 1;
+		const float c = cs[p], sv = sn[p];
+		if (hh < G) {
+			const float *qh = qkv + (h0 + hh) * HD;
+			const float x0 = qh[i0], x1 = qh[i1];
+			q[hh][i0] = (x0 * c - x1 * sv) * a.scale;
+			q[hh][i1] = (x0 * sv + x1 * c) * a.scale;
+		} else {
+			const float *kh = qkv + a.nHead * HD + g * HD;
+			const float *vh = qkv + (a.nHead + a.nKV) * HD + g * HD;
+			const float x0 = kh[i0], x1 = kh[i1];
+			kn[i0] = __half2float(__float2half(x0 * c - x1 * sv));
+			kn[i1] = __half2float(__float2half(x0 * sv + x1 * c));
+			vn[2 * p] = __half2float(__float2half(vh[2 * p]));
+			vn[2 * p + 1] = __half2float(__float2half(vh[2 * p + 1]));
+		}
+	}
+	__syncthreads();
+	if (s == 0 && tid < HD) {
+		const size_t off = ((size_t)loc * a.nKV + g) * HD + tid;
+		a.kc[off] = __float2half(kn[tid]);
+		a.vc[off] = __float2half(vn[tid]);
+	}
+
+	float m[GMAX], l[GMAX], acc[GMAX][D];
+#pragma unroll
+	for (int hh = 0; hh < GMAX; hh++) {
+		m[hh] = -INFINITY, l[hh] = 0.f;
+#pragma unroll
+		for (int d = 0; d < D; d++) acc[hh][d] = 0.f;
+	}
+	// Adds cells' scores sc (-INFINITY: none) and values v to head hh.
+	auto add = [&](int hh, const float (&sc)[kU], const float (&v)[kU][D], int nu) {
+		float mn = m[hh];
+#pragma unroll
+		for (int u = 0; u < kU; u++)
+			if (u < nu) mn = fmaxf(mn, sc[u]);
+		const float c = m[hh] == -INFINITY ? 0.f : __expf(m[hh] - mn);
+		l[hh] *= c;
+#pragma unroll
+		for (int d = 0; d < D; d++) acc[hh][d] *= c;
+#pragma unroll
+		for (int u = 0; u < kU; u++) {
+			if (u >= nu) break;
+			const float p = sc[u] == -INFINITY ? 0.f : __expf(sc[u] - mn);
+			l[hh] += p;
+#pragma unroll
+			for (int d = 0; d < D; d++) acc[hh][d] += p * v[u][d];
+		}
+		m[hh] = mn;
+	};
+	if (s == 0 && warp == 0) { // the new cell
+		float v[kU][D], sc[kU];
+#pragma unroll
+		for (int d = 0; d < D; d++) v[0][d] = vn[lane * D + d];
+#pragma unroll
+		for (int hh = 0; hh < GMAX; hh++) {
+			if (hh >= G) break;
+			float t = 0.f;
+#pragma unroll
+			for (int d = 0; d < D; d++) t += q[hh][lane * D + d] * kn[lane * D + d];
+			sc[0] = warpSum(t);
+			add(hh, sc, v, 1);
+		}
+	}
+	for (int j = jFirst; j < j1; j += kStride) {
+		if (j != jFirst) {
+			load();
+			if (j + kStride < j1) fetch(j + kStride);
+		}
+#pragma unroll
+		for (int hh = 0; hh < GMAX; hh++) {
+			if (hh >= G) break;
+			float qr[D], sc[kU];
+#pragma unroll
+			for (int d = 0; d < D; d++) qr[d] = q[hh][lane * D + d];
+#pragma unroll
+			for (int u = 0; u < kU; u++) {
+				float t = 0.f;
+#pragma unroll
+				for (int d = 0; d < D; d++) t += qr[d] * kv[u][d];
+				sc[u] = t;
+			}
+#pragma unroll
+			for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+				for (int u = 0; u < kU; u++) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
+#pragma unroll
+			for (int u = 0; u < kU; u++)
+				if (j + u >= j1) sc[u] = -INFINITY;
+			add(hh, sc, vv, kU);
+		}
+	}
+	if (lane == 0)
+#pragma unroll
+		for (int hh = 0; hh < GMAX; hh++) wm[warp][hh] = m[hh], wl[warp][hh] = l[hh];
+#pragma unroll
+	for (int hh = 0; hh < GMAX; hh++)
+#pragma unroll
+		for (int d = 0; d < D; d++) wacc[warp][hh][lane * D + d] = acc[hh][d];
+	__syncthreads();
+	// The block's result by head: one thread an output of a head.
+	for (int i = tid; i < G * HD; i += kAttnThreads) {
+		const int hh = i / HD, d = i % HD;
+		float M = -INFINITY;
+		for (int w = 0; w < kWarps; w++) M = fmaxf(M, wm[w][hh]);
+		float L = 0.f, A = 0.f;
+		if (M != -INFINITY)
+			for (int w = 0; w < kWarps; w++) {
+				const float c = wm[w][hh] == -INFINITY ? 0.f : __expf(wm[w][hh] - M);
+				L += wl[w][hh] * c, A += wacc[w][hh][d] * c;
+			}
+		if (active == 1) {
+			out[(h0 + hh) * HD + d] = A / L;
+		} else {
+			float *mine = part + ((size_t)(h0 + hh) * kSplits + s) * (HD + 2);
+			mine[2 + d] = A;
+			if (d == 0) mine[0] = M, mine[1] = L;
+		}
+	}
+	if (active == 1) return;
+	__threadfence();
+	__syncthreads();
+	if (tid == 0) last = atomicAdd(counter, 1) == active - 1;
+	__syncthreads();
+	if (!last) return;
+	__threadfence();
+	// The merge: warp hh weighs head hh's splits, then each output sums
+	// them in split order, its loads in flight together.
+	float (*wsplit)[32] = reinterpret_cast<float (*)[32]>(&wacc[0][0][0]); // [GMAX][32]: the warps' sums are read
+	if (warp < G) {
+		const float *all = part + (size_t)(h0 + warp) * kSplits * (HD + 2);
+		const float mi = lane < active ? __ldcg(all + lane * (HD + 2)) : -INFINITY;
+		const float li = lane < active ? __ldcg(all + lane * (HD + 2) + 1) : 0.f;
+		float M = mi;
+		for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+		const float c = mi == -INFINITY ? 0.f : __expf(mi - M);
+		const float L = warpSum(li * c);
+		wsplit[warp][lane] = c / L;
+	}
+	__syncthreads();
+	for (int i = tid; i < G * HD; i += kAttnThreads) {
+		const int hh = i / HD, d = i % HD;
+		const float *all = part + (size_t)(h0 + hh) * kSplits * (HD + 2);
+		float A = 0.f;
+#pragma unroll 4
+		for (int sp = 0; sp < active; sp++) A += __ldcg(all + sp * (HD + 2) + 2 + d) * wsplit[hh][sp];
+		out[(h0 + hh) * HD + d] = A;
+	}
+	if (tid == 0) *counter = 0;
+}
+
 // Each row's token's row of the embedding table, as floats.
 __global__ void embed(const uint8_t *table, int type, int k, const int *params, float *x, int nrows) {
 	for (int at = blockIdx.x * blockDim.x + threadIdx.x; at < nrows * k; at += gridDim.x * blockDim.x) {
@@ -1118,8 +1324,9 @@ struct mf_engine {
 	// cells: 9 splits of 64 cells (two waves) took 9.1 us, 6 of 96 6.7.
 	int attnSplits = kSplits;
 	// attnSplitsRows: the same for passes of several rows, whose blocks
-	// are as many more (a quarter of attnSplits, or
-	// MESHNODE_FUSED_ATTN_ROWS_SPLITS). Every such pass splits alike, so
+	// take a KV head's group of query heads (attentionRows): as many as
+	// let a pass of kMaxRows run in one wave, or
+	// MESHNODE_FUSED_ATTN_ROWS_SPLITS. Every such pass splits alike, so
 	// that a row's result does not depend on the rows beside it.
 	int attnSplitsRows = kSplits;
 	// The mat-vecs' block shape, from MESHNODE_FUSED_THREADS: 0 the mix of
@@ -1275,6 +1482,14 @@ void launchAttention(mf_engine *e, const mf_layer &L, int nrows) {
 	a.scale = 1.f / sqrtf((float)e->c.head_dim);
 	// No more splits than a head may use: blocks past them would only
 	// return, and at eight rows they were seven in eight of the grid.
+	const int group = e->c.n_head / e->c.n_kv_head;
+	if (nrows > 1 && group <= 8) {
+		dim3 grid(e->c.n_kv_head, a.maxSplits, nrows);
+		auto k = e->c.head_dim == 128 ? (group <= 4 ? attentionRows<128, 4> : attentionRows<128, 8>)
+		                              : (group <= 4 ? attentionRows<64, 4> : attentionRows<64, 8>);
+		launch(e, k, grid, kAttnThreads, 0, a);
+		return;
+	}
 	dim3 grid(e->c.n_head, a.maxSplits, nrows);
 	if (e->c.head_dim == 128)
 		launch(e, attention<128>, grid, kAttnThreads, 0, a);
@@ -1449,7 +1664,13 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		int waves = 1;
 		if (const char *v = getenv("MESHNODE_FUSED_ATTN_WAVES")) waves = atoi(v);
 		if (waves > 0) e->attnSplits = std::max(1, std::min(kSplits, waves * perSM * e->sms / c.n_head));
-		e->attnSplitsRows = std::max(1, e->attnSplits / 4);
+		const int group = c.n_head / c.n_kv_head;
+		auto rowsKernel = c.head_dim == 128 ? (group <= 4 ? attentionRows<128, 4> : attentionRows<128, 8>)
+		                                    : (group <= 4 ? attentionRows<64, 4> : attentionRows<64, 8>);
+		int perSMRows = 0;
+		CE(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSMRows, rowsKernel, kAttnThreads, 0));
+		e->attnSplitsRows = group <= 8 ? std::max(1, std::min(kSplits, perSMRows * e->sms / (c.n_kv_head * kMaxRows)))
+		                               : std::max(1, e->attnSplits / 4);
 		if (const char *v = getenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS")) e->attnSplitsRows = std::max(1, std::min(kSplits, atoi(v)));
 	}
 	const int R = kMaxRows;
