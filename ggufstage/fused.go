@@ -11,6 +11,7 @@ package ggufstage
 import (
 	"errors"
 	"fmt"
+	"os"
 	"reflect"
 	"slices"
 	"strconv"
@@ -51,25 +52,36 @@ func fusedTakes(b *stage.Batch, slots []int, last bool) bool {
 	return true
 }
 
-// fusedPasses is the most fused passes one batch takes; larger batches run
-// on ggml. Passes of eight rows of the 8B model took 5.3 ms on an H200
-// (run 77), so four (32 rows) cost more than ggml's one pass of 32 (about
-// 19 ms a step), and two (16 rows) less than its pass of 16 (15 ms, run 51).
+// fusedPasses is the most fused passes one batch takes by default
+// (MESHNODE_FUSED_PASSES sets it for experiments); larger batches run on
+// ggml. Two passes of eight rows (16) beat ggml's pass of 16 on an H200;
+// four (32) decoded the 8B model at 32 streams as fast as ggml's pass of 32
+// did in the same run, 1997 against 2016 tok/s (run 82), so the larger
+// batches stay with ggml.
 const fusedPasses = 2
+
+// fusedPassLimit is fusedPasses, or MESHNODE_FUSED_PASSES where that is a
+// count from 1 to 64.
+func fusedPassLimit() int {
+	if n, err := strconv.Atoi(os.Getenv("MESHNODE_FUSED_PASSES")); err == nil && n >= 1 && n <= 64 {
+		return n
+	}
+	return fusedPasses
+}
 
 // fusedPassSizes splits a batch of n rows into fused passes of at most
 // maxRows rows each, as even as they can be, or returns nil where ggml
-// should run it: more than fusedPasses passes, or several rows where a
-// pass takes one (one-row steps lose to ggml's pass of several).
-func fusedPassSizes(n, maxRows int) []int {
-	if n < 1 || maxRows < 1 || n > fusedPasses*maxRows || (n > 1 && maxRows < 2) {
+// should run it: more than passes passes, or several rows where a pass
+// takes one (one-row steps lose to ggml's pass of several).
+func fusedPassSizes(n, maxRows, passes int) []int {
+	if n < 1 || maxRows < 1 || n > passes*maxRows || (n > 1 && maxRows < 2) {
 		return nil
 	}
-	passes := (n + maxRows - 1) / maxRows
-	sizes := make([]int, passes)
+	k := (n + maxRows - 1) / maxRows
+	sizes := make([]int, k)
 	for i := range sizes {
-		sizes[i] = n / passes
-		if i < n%passes {
+		sizes[i] = n / k
+		if i < n%k {
 			sizes[i]++
 		}
 	}

@@ -143,6 +143,7 @@ type cudaFused struct {
 	// where the mat-vecs' shared memory cannot hold more, or
 	// MESHNODE_FUSED_ROWS); at 1, passes of several rows run on ggml.
 	maxRows int
+	passes  int // the most fused passes a batch takes (fusedPassLimit)
 	// A pass's arguments, by row, reused: its tokens, positions, cells
 	// written, earlier cells (one list after another) and their counts.
 	tokens, pos, loc, ncells []C.int
@@ -333,6 +334,7 @@ func (f *cudaFused) create() (ok bool, err error) {
 		return false, fmt.Errorf("%w: %s", errFusedUnavailable, f.errText())
 	}
 	f.maxRows = int(C.meshnode_mf_max_rows_call(f.h))
+	f.passes = fusedPassLimit()
 	if f.hostEmbd != nil {
 		f.embd = make([]float32, f.maxRows*s.embd)
 	}
@@ -353,7 +355,7 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		}
 	}
 	n := b.Rows()
-	sizes := fusedPassSizes(n, f.maxRows)
+	sizes := fusedPassSizes(n, f.maxRows, f.passes)
 	if sizes == nil {
 		return nil, false, nil // ggml runs it
 	}

@@ -134,35 +134,64 @@ func TestFusedTakes(t *testing.T) {
 	}
 }
 
-// TestFusedPassSizes: a batch runs in at most fusedPasses fused passes of
-// at most maxRows rows, as even as they can be, else on ggml (nil).
+// TestFusedPassSizes: a batch runs in at most passes fused passes of at
+// most maxRows rows, as even as they can be, else on ggml (nil).
 func TestFusedPassSizes(t *testing.T) {
 	tests := []struct {
-		n, maxRows int
-		want       []int
+		n, maxRows, passes int
+		want               []int
 	}{
-		{1, 8, []int{1}},
-		{8, 8, []int{8}},
-		{9, 8, []int{5, 4}},
-		{15, 8, []int{8, 7}},
-		{16, 8, []int{8, 8}},
-		{17, 8, nil},
-		{32, 8, nil},
-		{4, 2, []int{2, 2}},
-		{3, 2, []int{2, 1}},
-		{5, 2, nil},
-		{7, 4, []int{4, 3}},
-		{1, 1, []int{1}},
-		{2, 1, nil},
-		{0, 8, nil},
+		{1, 8, 2, []int{1}},
+		{8, 8, 2, []int{8}},
+		{9, 8, 2, []int{5, 4}},
+		{15, 8, 2, []int{8, 7}},
+		{16, 8, 2, []int{8, 8}},
+		{17, 8, 2, nil},
+		{32, 8, 2, nil},
+		{32, 8, 4, []int{8, 8, 8, 8}},
+		{25, 8, 4, []int{7, 6, 6, 6}},
+		{33, 8, 4, nil},
+		{4, 2, 2, []int{2, 2}},
+		{3, 2, 2, []int{2, 1}},
+		{5, 2, 2, nil},
+		{7, 4, 2, []int{4, 3}},
+		{8, 8, 1, []int{8}},
+		{9, 8, 1, nil},
+		{1, 1, 2, []int{1}},
+		{2, 1, 2, nil},
+		{0, 8, 2, nil},
 	}
 	for _, tc := range tests {
-		got := fusedPassSizes(tc.n, tc.maxRows)
+		got := fusedPassSizes(tc.n, tc.maxRows, tc.passes)
 		if !slices.Equal(got, tc.want) {
-			t.Errorf("fusedPassSizes(%d, %d) = %v, want %v", tc.n, tc.maxRows, got, tc.want)
+			t.Errorf("fusedPassSizes(%d, %d, %d) = %v, want %v", tc.n, tc.maxRows, tc.passes, got, tc.want)
 		}
-		if got != nil && fusedPasses*tc.maxRows < tc.n {
-			t.Errorf("fusedPassSizes(%d, %d) took more than %d passes", tc.n, tc.maxRows, fusedPasses)
+		if len(got) > tc.passes {
+			t.Errorf("fusedPassSizes(%d, %d, %d) took %d passes", tc.n, tc.maxRows, tc.passes, len(got))
+		}
+	}
+}
+
+// TestFusedPassLimit: MESHNODE_FUSED_PASSES sets the limit where it is a
+// count from 1 to 64; anything else leaves the default.
+func TestFusedPassLimit(t *testing.T) {
+	tests := []struct {
+		env  string
+		want int
+	}{
+		{"", fusedPasses},
+		{"4", 4},
+		{"1", 1},
+		{"64", 64},
+		{"0", fusedPasses},
+		{"65", fusedPasses},
+		{"-2", fusedPasses},
+		{"four", fusedPasses},
+	}
+	for _, tc := range tests {
+		t.Setenv("MESHNODE_FUSED_PASSES", tc.env)
+		if got := fusedPassLimit(); got != tc.want {
+			t.Errorf("MESHNODE_FUSED_PASSES=%q: limit %d, want %d", tc.env, got, tc.want)
 		}
 	}
 }
