@@ -155,8 +155,10 @@ type cudaFused struct {
 	embd     []float32
 	// pinned holds the last stage's logits buffers, in pinned host memory
 	// that the GPU copies into directly: it saves copying 4 bytes per
-	// vocabulary entry again (half a megabyte a token for Llama 3).
-	pinned pinnedPool
+	// vocabulary entry again (half a megabyte a token for Llama 3, 8 MB a
+	// batch of 16). A buffer holds pinnedRows rows.
+	pinned     pinnedPool
+	pinnedRows int
 }
 
 // pinnedPool lends pinned host buffers of n floats, at most pinnedMax at
@@ -172,6 +174,10 @@ type pinnedPool struct {
 
 // pinnedMax is one buffer per pipeline lane in flight, with room to spare.
 const pinnedMax = 4
+
+// pinnedRowsMax bounds a pinned buffer (16 MB for a 128K vocabulary):
+// batches of more rows take ordinary memory.
+const pinnedRowsMax = 32
 
 // get returns a buffer and the function that gives it back, or nil.
 func (p *pinnedPool) get() ([]float32, func()) {
@@ -231,9 +237,6 @@ func newFused(e *Engine, meta *gguf.File, flash bool, kv ml.DType) (fusedPath, e
 		return nil, err
 	}
 	f := &cudaFused{e: e, view: view, shape: shape, errBuf: (*C.char)(C.calloc(fusedErrLen, 1))}
-	if e.info.Last() {
-		f.pinned.n = e.info.Vocab
-	}
 	return f, nil
 }
 
@@ -335,6 +338,10 @@ func (f *cudaFused) create() (ok bool, err error) {
 	}
 	f.maxRows = int(C.meshnode_mf_max_rows_call(f.h))
 	f.passes = fusedPassLimit()
+	if e.info.Last() {
+		f.pinnedRows = min(f.maxRows*f.passes, pinnedRowsMax)
+		f.pinned.n = f.pinnedRows * e.info.Vocab
+	}
 	if f.hostEmbd != nil {
 		f.embd = make([]float32, f.maxRows*s.embd)
 	}
@@ -366,9 +373,11 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 	pinned := C.int(0)
 	if e.info.Last() {
 		width = e.info.Vocab
-		if n == 1 {
+		// Not through the engine's own pinned buffer and a host copy: the
+		// logits of eight rows are 4 MB.
+		if n <= f.pinnedRows {
 			if dst, free = f.pinned.get(); dst != nil {
-				pinned = 1
+				dst, pinned = dst[:n*width], 1
 			}
 		}
 		if dst == nil {
