@@ -46,7 +46,7 @@ var echoDesc = grpc.ServiceDesc{
 // bidirectional stream, as a pipeline hop sends its frames: over plain
 // loopback TCP and over a libp2p stream (the mesh's transport).
 func BenchmarkGRPCRoundTrip(b *testing.B) {
-	for _, size := range []int{64, 16 << 10} {
+	for _, size := range []int{64, 8 << 10, 16 << 10} {
 		for _, via := range []string{"tcp", "libp2p"} {
 			b.Run(fmt.Sprintf("%s/%dB", via, size), func(b *testing.B) {
 				srv := grpc.NewServer(append(wire.ServerOptions(), grpc.ForceServerCodec(rawCodec{}))...)
