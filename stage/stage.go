@@ -13,6 +13,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 )
 
 // SeqID names a sequence (one request's token stream) across the whole
@@ -59,6 +60,14 @@ type Batch struct {
 	// Outputs lists the rows (ascending indices into the batch) for which
 	// the last stage must return logits. Ignored by other stages.
 	Outputs []int
+
+	// PicksOnly says that the caller samples every output row greedily
+	// and needs only each row's greedy pick, not its logits: the last
+	// stage's engine may then return Output.Picks instead of Logits (a
+	// GPU engine then copies 4 bytes a row off the device instead of the
+	// vocabulary's logits, and the host scans none). Engines that cannot
+	// return logits as usual. Ignored by other stages.
+	PicksOnly bool
 }
 
 // Rows is the number of tokens in the batch.
@@ -118,10 +127,41 @@ type Output struct {
 	// Logits is set by the last stage: len(Outputs) rows of Vocab floats,
 	// row-major, in the order of Batch.Outputs.
 	Logits []float32
+	// Picks, which an engine may set instead of Logits for a batch with
+	// PicksOnly, holds each output row's greedy pick, in the order of
+	// Batch.Outputs: the index of the row's largest logit as
+	// node/sample's greedy sampler takes it (GreedyPick).
+	Picks []int32
 	// Free, when set, hands Logits' memory back to the engine for its next
 	// pass; Release calls it. A caller that does not release just leaves
 	// the memory to the garbage collector.
 	Free func()
+}
+
+// GreedyPick is the greedy pick of one row of logits, the rule an engine
+// that returns Output.Picks must follow: the index of the largest logit,
+// NaN counting as -Inf and +Inf as the largest finite float32, the lowest
+// index on ties; 0 when every logit is NaN or -Inf, and -1 for none.
+func GreedyPick(logits []float32) int32 {
+	if len(logits) == 0 {
+		return -1
+	}
+	clean := func(x float32) float32 {
+		switch {
+		case x != x:
+			return float32(math.Inf(-1))
+		case x > math.MaxFloat32:
+			return math.MaxFloat32
+		}
+		return x
+	}
+	best, v := 0, clean(logits[0])
+	for i, x := range logits[1:] {
+		if c := clean(x); c > v {
+			best, v = i+1, c
+		}
+	}
+	return int32(best)
 }
 
 // LogitsRow returns row i of the logits.

@@ -1,6 +1,7 @@
 package stage
 
 import (
+	"math"
 	"strings"
 	"testing"
 )
@@ -106,6 +107,34 @@ func TestBatchValidate(t *testing.T) {
 				t.Fatalf("accepted, want error containing %q", tt.err)
 			case tt.err != "" && !strings.Contains(err.Error(), tt.err):
 				t.Fatalf("error %q does not contain %q", err, tt.err)
+			}
+		})
+	}
+}
+
+func TestGreedyPick(t *testing.T) {
+	nan, inf := float32(math.NaN()), float32(math.Inf(1))
+	tests := []struct {
+		name   string
+		logits []float32
+		want   int32
+	}{
+		{"empty", nil, -1},
+		{"one", []float32{-3}, 0},
+		{"largest", []float32{1, 5, 2}, 1},
+		{"first of ties", []float32{1, 5, 5, 2}, 1},
+		{"NaN never wins", []float32{nan, -100, nan}, 1},
+		{"NaN first, then -Inf", []float32{nan, -inf}, 0},
+		{"all -Inf", []float32{-inf, -inf, -inf}, 0},
+		{"all NaN", []float32{nan, nan}, 0},
+		{"+Inf ties the largest float", []float32{1, math.MaxFloat32, inf}, 1},
+		{"+Inf before the largest float", []float32{1, inf, math.MaxFloat32}, 1},
+		{"last", []float32{-1, -2, 7}, 2},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := GreedyPick(tc.logits); got != tc.want {
+				t.Errorf("GreedyPick(%v) = %d, want %d", tc.logits, got, tc.want)
 			}
 		})
 	}

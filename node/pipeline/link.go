@@ -446,6 +446,7 @@ func (l *link) run(step uint64, b *stage.Batch) error {
 	if err := local.Validate(l.s.info); err != nil {
 		return l.bad(step, fmt.Errorf("%w: step %d: %w", wire.ErrBadFrame, step, err))
 	}
+	local.PicksOnly = l.last && l.greedy(b)
 	out, err := l.s.cfg.Engine.Forward(l.ctx, &local)
 	if err != nil {
 		if l.ctx.Err() != nil {
@@ -469,14 +470,34 @@ func (l *link) run(step uint64, b *stage.Batch) error {
 	return l.sample(step, b, out)
 }
 
+// greedy says whether every output row of b is sampled greedily with
+// nothing else asked of its logits, so that the engine's greedy picks
+// (stage.Batch.PicksOnly) can stand for them.
+func (l *link) greedy(b *stage.Batch) bool {
+	if l.st.ReturnLogits || len(b.Outputs) == 0 {
+		return false
+	}
+	for _, row := range b.Outputs {
+		q := l.seqs[b.Seqs[row]]
+		if q.logprobs >= 0 || !q.sampler.Greedy() {
+			return false
+		}
+	}
+	return true
+}
+
 // sample picks each output row's next token with its sequence's sampler
-// and sends the tokens (and, if asked, the logits) to the origin.
+// (or takes the engine's greedy picks) and sends the tokens (and, if
+// asked, the logits) to the origin.
 func (l *link) sample(step uint64, b *stage.Batch, out *stage.Output) error {
 	defer out.Release()
 	for r, q := range b.Seqs {
 		l.seqs[q].record(b.Pos[r], b.Tokens[r])
 	}
 	vocab := l.s.info.Vocab
+	if out.Picks != nil {
+		return l.picked(step, b, out.Picks)
+	}
 	if len(out.Logits) != len(b.Outputs)*vocab {
 		return l.stepFailed(step, fmt.Errorf("engine returned %d logits for %d output rows of %d", len(out.Logits), len(b.Outputs), vocab))
 	}
@@ -511,6 +532,33 @@ func (l *link) sample(step uint64, b *stage.Batch, out *stage.Output) error {
 		if err := l.emit(f); err != nil {
 			return err
 		}
+	}
+	f, err := wire.EncodeSampled(step, res)
+	if err != nil {
+		return l.stepFailed(step, err)
+	}
+	return l.emit(f)
+}
+
+// picked sends the engine's greedy picks of b's output rows to the
+// origin as their sampled tokens.
+func (l *link) picked(step uint64, b *stage.Batch, picks []int32) error {
+	if !l.greedy(b) {
+		return l.stepFailed(step, errors.New("engine returned greedy picks for rows that are not sampled greedily"))
+	}
+	if len(picks) != len(b.Outputs) {
+		return l.stepFailed(step, fmt.Errorf("engine returned %d greedy picks for %d output rows", len(picks), len(b.Outputs)))
+	}
+	res := &wire.Sampled{
+		Seqs:   make([]stage.SeqID, len(b.Outputs)),
+		Pos:    make([]int32, len(b.Outputs)),
+		Tokens: make([]int32, len(b.Outputs)),
+	}
+	for i, row := range b.Outputs {
+		if t := picks[i]; t < 0 || int(t) >= l.s.info.Vocab {
+			return l.stepFailed(step, fmt.Errorf("engine's greedy pick %d for row %d is outside the vocabulary of %d", t, i, l.s.info.Vocab))
+		}
+		res.Seqs[i], res.Pos[i], res.Tokens[i] = b.Seqs[row], b.Pos[row]+1, picks[i]
 	}
 	f, err := wire.EncodeSampled(step, res)
 	if err != nil {

@@ -70,6 +70,15 @@ func (s *Sampler) Sample(logits []float32, history []int32) int32 {
 	return tok
 }
 
+// Greedy says whether every Sample is the greedy pick of its logits
+// (stage.GreedyPick) whatever the history, and changes nothing in the
+// sampler: temperature 0, no penalties, no JSON constraint. A caller may
+// then take an engine's picks (stage.Output.Picks) instead of sampling.
+func (s *Sampler) Greedy() bool {
+	rp := s.p.RepeatPenalty
+	return !(s.p.Temperature > 0) && s.json == nil && !(rp > 0 && rp != 1) && s.p.FrequencyPenalty == 0 && s.p.PresencePenalty == 0
+}
+
 func (s *Sampler) sample(logits []float32, history []int32) int32 {
 	cs, pick := s.candidates(logits, history)
 	if pick >= 0 || len(cs) == 0 {

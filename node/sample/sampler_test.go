@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/meshnode/meshnode/stage"
 )
 
 func seed(v int64) *int64 { return &v }
@@ -539,5 +541,50 @@ func TestArgmaxFiniteMatchesSanitized(t *testing.T) {
 				t.Fatalf("n=%d trial %d: argmaxFinite = %d, sanitized argmax = %d, logits %v", n, trial, got, want, l)
 			}
 		}
+	}
+}
+
+// TestGreedyIsStagePick: a sampler that says it is Greedy picks
+// stage.GreedyPick of any logits, the rule engines follow for
+// stage.Output.Picks, and any other sampler says it is not.
+func TestGreedyIsStagePick(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 1))
+	specials := []float32{nan, inf, ninf, math.MaxFloat32, -math.MaxFloat32, 3, 3}
+	history := []int32{1, 2, 3}
+	g := params(func(p *Params) { p.Temperature = 0 })
+	if !New(g).Greedy() {
+		t.Fatal("a greedy sampler says it is not Greedy")
+	}
+	for n := 1; n <= 40; n++ {
+		for trial := range 200 {
+			l := make([]float32, n)
+			for i := range l {
+				l[i] = float32(r.IntN(7))
+				if r.IntN(6) == 0 {
+					l[i] = specials[r.IntN(len(specials))]
+				}
+			}
+			if got, want := New(g).Sample(l, history), stage.GreedyPick(l); got != want {
+				t.Fatalf("n=%d trial %d: Sample = %d, stage.GreedyPick = %d, logits %v", n, trial, got, want, l)
+			}
+		}
+	}
+	notGreedy := []func(*Params){
+		func(p *Params) { p.Temperature = 0.7 },
+		func(p *Params) { p.RepeatPenalty = 1.1 },
+		func(p *Params) { p.FrequencyPenalty = 0.5 },
+		func(p *Params) { p.PresencePenalty = -0.5 },
+	}
+	for i, f := range notGreedy {
+		p := params(func(p *Params) { p.Temperature = 0 })
+		f(&p)
+		if New(p).Greedy() {
+			t.Errorf("case %d: %+v says it is Greedy", i, p)
+		}
+	}
+	constrained := New(params(func(p *Params) { p.Temperature = 0 }))
+	constrained.Constrain(&JSONConstraint{})
+	if constrained.Greedy() {
+		t.Error("a sampler with a JSON constraint says it is Greedy")
 	}
 }

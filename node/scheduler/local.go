@@ -61,18 +61,10 @@ func (l *local) Open(seq stage.SeqID, p sample.Params, prompt []int32) error {
 }
 
 func (l *local) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, error) {
-	out, err := l.e.Forward(ctx, b)
-	if err != nil {
-		return sample.Picked{}, err
-	}
-	defer out.Release()
-	vocab := l.e.Info().Vocab
-	if len(out.Logits) != len(b.Outputs)*vocab {
-		return sample.Picked{}, fmt.Errorf("engine returned %d logits for %d rows", len(out.Logits), len(b.Outputs))
-	}
 	picked := sample.Picked{Tokens: make([]int32, len(b.Outputs))}
 	seqs := make([]*localSeq, len(b.Outputs))
 	ids := make([]stage.SeqID, len(b.Outputs))
+	greedy := true
 	for i, row := range b.Outputs {
 		q, ok := l.seqs[b.Seqs[row]]
 		if !ok {
@@ -82,6 +74,27 @@ func (l *local) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, err
 		if q.logprobs >= 0 && picked.Logprobs == nil {
 			picked.Logprobs = make([]sample.Logprob, len(b.Outputs))
 		}
+		greedy = greedy && q.logprobs < 0 && q.sampler.Greedy()
+	}
+	b.PicksOnly = greedy && len(b.Outputs) > 0
+	out, err := l.e.Forward(ctx, b)
+	if err != nil {
+		return sample.Picked{}, err
+	}
+	defer out.Release()
+	vocab := l.e.Info().Vocab
+	if out.Picks != nil {
+		if err := checkPicks(out.Picks, b, vocab); err != nil {
+			return sample.Picked{}, err
+		}
+		for i, q := range seqs {
+			picked.Tokens[i] = out.Picks[i]
+			q.history = append(q.history, out.Picks[i])
+		}
+		return picked, nil
+	}
+	if len(out.Logits) != len(b.Outputs)*vocab {
+		return sample.Picked{}, fmt.Errorf("engine returned %d logits for %d rows", len(out.Logits), len(b.Outputs))
 	}
 	sample.Rows(ids, vocab, func(i int) {
 		q := seqs[i]
@@ -93,6 +106,23 @@ func (l *local) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, err
 		}
 	})
 	return picked, nil
+}
+
+// checkPicks checks an engine's greedy picks: asked for, one per output
+// row, each in the vocabulary.
+func checkPicks(picks []int32, b *stage.Batch, vocab int) error {
+	if !b.PicksOnly {
+		return errors.New("engine returned greedy picks unasked")
+	}
+	if len(picks) != len(b.Outputs) {
+		return fmt.Errorf("engine returned %d greedy picks for %d rows", len(picks), len(b.Outputs))
+	}
+	for i, t := range picks {
+		if t < 0 || int(t) >= vocab {
+			return fmt.Errorf("engine's greedy pick %d for row %d is outside the vocabulary of %d", t, i, vocab)
+		}
+	}
+	return nil
 }
 
 func (l *local) Release(seq stage.SeqID) error {
