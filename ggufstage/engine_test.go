@@ -60,6 +60,34 @@ func (p *pipeline) forward(t *testing.T, b stage.Batch) []float32 {
 	return nil
 }
 
+// forwardPicks runs b through the stages asking the last for greedy picks
+// (Batch.PicksOnly), which it must give.
+func (p *pipeline) forwardPicks(t *testing.T, b stage.Batch) []int32 {
+	t.Helper()
+	ctx := context.Background()
+	var hidden *stage.Activation
+	for i, s := range p.stages {
+		sb := b
+		if i > 0 {
+			sb.Tokens, sb.Hidden = nil, hidden
+		}
+		sb.PicksOnly = i == len(p.stages)-1
+		out, err := s.Forward(ctx, &sb)
+		if err != nil {
+			t.Fatalf("stage %s: %v", s.Info().Range(), err)
+		}
+		if i < len(p.stages)-1 {
+			hidden = out.Hidden
+			continue
+		}
+		if out.Picks == nil || out.Logits != nil {
+			t.Fatalf("asked for greedy picks, the last stage returned %d picks and %d logits", len(out.Picks), len(out.Logits))
+		}
+		return out.Picks
+	}
+	return nil
+}
+
 func (p *pipeline) close() {
 	for _, s := range p.stages {
 		s.Close()

@@ -11,13 +11,13 @@ package ggufstage
 #include "cuda/fused.h"
 
 typedef int (*meshnode_mf_create_fn)(const mf_config *, mf_engine **, char *, int);
-typedef int (*meshnode_mf_step_rows_fn)(mf_engine *, int, const int *, const float *, const int *, const int *, const int32_t *, const int *, float *, int, char *, int);
+typedef int (*meshnode_mf_step_rows_picks_fn)(mf_engine *, int, const int *, const float *, const int *, const int *, const int32_t *, const int *, float *, int, int *, char *, int);
 typedef int (*meshnode_mf_max_rows_fn)(const mf_engine *);
 typedef void (*meshnode_mf_destroy_fn)(mf_engine *);
 typedef float *(*meshnode_mf_host_alloc_fn)(size_t);
 typedef void (*meshnode_mf_host_free_fn)(float *);
 static meshnode_mf_create_fn meshnode_mf_create;
-static meshnode_mf_step_rows_fn meshnode_mf_step_rows;
+static meshnode_mf_step_rows_picks_fn meshnode_mf_step_rows_picks;
 static meshnode_mf_max_rows_fn meshnode_mf_max_rows;
 static meshnode_mf_destroy_fn meshnode_mf_destroy;
 static meshnode_mf_host_alloc_fn meshnode_mf_host_alloc;
@@ -28,19 +28,19 @@ static const char *meshnode_mf_load(const char *path) {
 	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
 	if (!h) return dlerror();
 	meshnode_mf_create = (meshnode_mf_create_fn) dlsym(h, "mf_create");
-	meshnode_mf_step_rows = (meshnode_mf_step_rows_fn) dlsym(h, "mf_step_rows");
+	meshnode_mf_step_rows_picks = (meshnode_mf_step_rows_picks_fn) dlsym(h, "mf_step_rows_picks");
 	meshnode_mf_max_rows = (meshnode_mf_max_rows_fn) dlsym(h, "mf_max_rows");
 	meshnode_mf_destroy = (meshnode_mf_destroy_fn) dlsym(h, "mf_destroy");
 	meshnode_mf_host_alloc = (meshnode_mf_host_alloc_fn) dlsym(h, "mf_host_alloc");
 	meshnode_mf_host_free = (meshnode_mf_host_free_fn) dlsym(h, "mf_host_free");
-	if (!meshnode_mf_create || !meshnode_mf_step_rows || !meshnode_mf_max_rows || !meshnode_mf_destroy || !meshnode_mf_host_alloc || !meshnode_mf_host_free)
-		return "the library lacks mf_create, mf_step_rows, mf_max_rows, mf_destroy, mf_host_alloc or mf_host_free: rebuild it with deploy/gpu/build-cuda.sh";
+	if (!meshnode_mf_create || !meshnode_mf_step_rows_picks || !meshnode_mf_max_rows || !meshnode_mf_destroy || !meshnode_mf_host_alloc || !meshnode_mf_host_free)
+		return "the library lacks mf_create, mf_step_rows_picks, mf_max_rows, mf_destroy, mf_host_alloc or mf_host_free (built before meshnode's greedy picks?): rebuild it with deploy/gpu/build-cuda.sh";
 	return NULL;
 }
 
 static int meshnode_mf_create_call(const mf_config *c, mf_engine **e, char *err, int n) { return meshnode_mf_create(c, e, err, n); }
-static int meshnode_mf_step_rows_call(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos, const int *loc, const int32_t *cells, const int *ncells, float *out, int pinned, char *err, int errlen) {
-	return meshnode_mf_step_rows(e, rows, tokens, hidden, pos, loc, cells, ncells, out, pinned, err, errlen);
+static int meshnode_mf_step_rows_call(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos, const int *loc, const int32_t *cells, const int *ncells, float *out, int pinned, int *picks, char *err, int errlen) {
+	return meshnode_mf_step_rows_picks(e, rows, tokens, hidden, pos, loc, cells, ncells, out, pinned, picks, err, errlen);
 }
 static int meshnode_mf_max_rows_call(mf_engine *e) { return meshnode_mf_max_rows(e); }
 static void meshnode_mf_destroy_call(mf_engine *e) { meshnode_mf_destroy(e); }
@@ -159,6 +159,7 @@ type cudaFused struct {
 	// batch of 16). A buffer holds pinnedRows rows.
 	pinned     pinnedPool
 	pinnedRows int
+	picks      []C.int // a pass's greedy picks (Batch.PicksOnly), reused
 }
 
 // pinnedPool lends pinned host buffers of n floats, at most pinnedMax at
@@ -371,7 +372,14 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 	var dst []float32
 	var free func()
 	pinned := C.int(0)
-	if e.info.Last() {
+	picksOnly := b.PicksOnly && e.info.Last()
+	if picksOnly {
+		// Greedy picks instead of logits: no logits buffer.
+		if cap(f.picks) < n {
+			f.picks = make([]C.int, n)
+		}
+		f.picks = f.picks[:n]
+	} else if e.info.Last() {
 		width = e.info.Vocab
 		// Not through the engine's own pinned buffer and a host copy: the
 		// logits of eight rows are 4 MB.
@@ -439,11 +447,18 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		if len(f.cells) > 0 {
 			cp = (*C.int32_t)(unsafe.Pointer(&f.cells[0]))
 		}
+		var out *C.float
+		var picks *C.int
+		if picksOnly {
+			picks = &f.picks[r0]
+		} else {
+			out = (*C.float)(unsafe.Pointer(&dst[r0*width]))
+		}
 		graph += time.Since(start)
 		computeMu.Lock()
 		start = time.Now()
 		rc := C.meshnode_mf_step_rows_call(f.h, C.int(rows), &f.tokens[0], hp, &f.pos[0], &f.loc[0], cp, &f.ncells[0],
-			(*C.float)(unsafe.Pointer(&dst[r0*width])), pinned, f.errBuf, fusedErrLen)
+			out, pinned, picks, f.errBuf, fusedErrLen)
 		wait += time.Since(start)
 		computeMu.Unlock()
 		start = time.Now()
@@ -459,6 +474,13 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 	e.phases.graph.Add(int64(graph))
 	e.phases.wait.Add(int64(wait))
 	out := &stage.Output{}
+	if picksOnly {
+		out.Picks = make([]int32, n)
+		for i, p := range f.picks {
+			out.Picks[i] = int32(p)
+		}
+		return out, true, nil
+	}
 	if e.info.Last() {
 		out.Logits, out.Free = dst, free
 		return out, true, nil

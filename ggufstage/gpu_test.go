@@ -265,7 +265,13 @@ func TestGPUFusedRows(t *testing.T) {
 	defer chunked.close()
 	capped := openSplit(t, path, []int{0, 4}, opts(On))
 	defer capped.close()
-	all := []*pipeline{ggml, together, split, alone, chunked, capped}
+	// Greedy picks instead of logits, of four rows over two stages and of
+	// the first row alone.
+	picking := openSplit(t, path, []int{0, 2, 4}, opts(On))
+	defer picking.close()
+	onePick := openSplit(t, path, []int{0, 4}, opts(On))
+	defer onePick.close()
+	all := []*pipeline{ggml, together, split, alone, chunked, capped, picking, onePick}
 
 	ids := make([]stage.SeqID, seqs)
 	pos := make([]int32, seqs)
@@ -299,6 +305,14 @@ func TestGPUFusedRows(t *testing.T) {
 		if len(got) != seqs {
 			t.Fatalf("step %d: logits of %d rows for %d", step, len(got), seqs)
 		}
+		// Before MESHNODE_FUSED_ROWS changes below: its kernels start at this
+		// first decode pass.
+		picks := picking.forwardPicks(t, b)
+		for s := range seqs {
+			if want := stage.GreedyPick(got[s]); picks[s] != want {
+				t.Fatalf("step %d: sequence %d's greedy pick %d, want %d, the greedy pick of its logits", step, s+1, picks[s], want)
+			}
+		}
 		rb := stage.Batch{Seqs: slices.Clone(ids), Pos: reverse(pos), Tokens: reverse(next), Outputs: []int{0, 1, 2, 3}}
 		slices.Reverse(rb.Seqs)
 		back := rows(split.forward(t, rb))
@@ -319,6 +333,10 @@ func TestGPUFusedRows(t *testing.T) {
 				t.Fatalf("step %d: sequence %d in passes of two differs from one pass of four", step, s+1)
 			}
 			one := alone.forward(t, stage.Batch{Seqs: b.Seqs[s : s+1], Pos: b.Pos[s : s+1], Tokens: b.Tokens[s : s+1], Outputs: []int{0}})
+			onePicks := onePick.forwardPicks(t, stage.Batch{Seqs: b.Seqs[s : s+1], Pos: b.Pos[s : s+1], Tokens: b.Tokens[s : s+1], Outputs: []int{0}})
+			if want := stage.GreedyPick(one); onePicks[0] != want {
+				t.Fatalf("step %d: sequence %d alone: greedy pick %d, want %d, the greedy pick of its logits", step, s+1, onePicks[0], want)
+			}
 			// A few cached f16 values round the other way (see fused_check's
 			// checkRows): well under the 5e-2 that parts ggml CUDA's logits
 			// from ggml CPU's here.
@@ -343,7 +361,7 @@ func TestGPUFusedRows(t *testing.T) {
 			pos[s]++
 		}
 	}
-	for _, p := range []*pipeline{together, split, chunked, capped} {
+	for _, p := range []*pipeline{together, split, chunked, capped, picking, onePick} {
 		for _, s := range p.stages {
 			if on, why := s.Fused(); !on {
 				t.Fatalf("stage %s left the fused path: %s", s.Info().Range(), why)

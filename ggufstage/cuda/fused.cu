@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cfloat>
 #include <cmath>
 #include <cstdarg>
 #include <cstdint>
@@ -1299,6 +1300,42 @@ __global__ void embed(const uint8_t *table, int type, int k, const int *params, 
 
 } // namespace
 
+// kPickThreads: greedyPicks' block, one a row.
+constexpr int kPickThreads = 1024;
+
+// takeBetter keeps the better of two (value, index) candidates for a greedy
+// pick: the higher value, then the lower index; index -1 is no candidate.
+__device__ __forceinline__ void takeBetter(float &v, int &at, float ov, int oat) {
+	if (oat >= 0 && (at < 0 || ov > v || (ov == v && oat < at))) v = ov, at = oat;
+}
+
+// greedyPicks writes each row's greedy pick as node/sample's sampler takes
+// it at temperature 0 with nothing else to apply: the index of the row's
+// largest logit, NaN counting as -Inf and +Inf as the largest finite float
+// (sample.sanitize), the lowest index on ties, 0 when every logit is -Inf.
+__global__ void greedyPicks(const float *__restrict__ logits, int vocab, int *__restrict__ picks) {
+	const float *l = logits + (size_t)blockIdx.x * vocab;
+	float v = -INFINITY;
+	int at = -1;
+	for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+		float x = l[i];
+		x = x != x ? -INFINITY : fminf(x, FLT_MAX);
+		if (x > v) v = x, at = i; // ascending i: the first of equal values stays
+	}
+	for (int o = 16; o > 0; o >>= 1) takeBetter(v, at, __shfl_xor_sync(~0u, v, o), __shfl_xor_sync(~0u, at, o));
+	__shared__ float sv[kPickThreads / 32];
+	__shared__ int sat[kPickThreads / 32];
+	const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+	if (lane == 0) sv[warp] = v, sat[warp] = at;
+	__syncthreads();
+	if (warp != 0) return;
+	const int warps = blockDim.x / 32;
+	v = lane < warps ? sv[lane] : -INFINITY;
+	at = lane < warps ? sat[lane] : -1;
+	for (int o = 16; o > 0; o >>= 1) takeBetter(v, at, __shfl_xor_sync(~0u, v, o), __shfl_xor_sync(~0u, at, o));
+	if (lane == 0) picks[blockIdx.x] = at < 0 ? 0 : at;
+}
+
 struct mf_engine {
 	mf_config c;
 	mf_layer *layers = nullptr;
@@ -1314,6 +1351,7 @@ struct mf_engine {
 	int *counter = nullptr, *params = nullptr;
 	int *hostParams = nullptr; // pinned
 	float *hostIO = nullptr;   // pinned: hidden in, and out
+	int *picks = nullptr, *hostPicks = nullptr; // greedy picks of a pass's rows (last stage), and their pinned copy
 	int pdl = 1;
 	int smemSM = 0;    // shared memory per multiprocessor
 	int smemOptin = 0; // shared memory a block may have
@@ -1709,7 +1747,11 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	CE(cudaMallocHost(&e->hostParams, sizeof(int) * (R * kParams + (size_t)R * c.cells)));
 	const int io = e->last ? (c.vocab > c.embd ? c.vocab : c.embd) : c.embd;
 	CE(cudaMallocHost(&e->hostIO, sizeof(float) * R * io));
-	if (e->last) CE(cudaMalloc(&e->logits, sizeof(float) * R * c.vocab));
+	if (e->last) {
+		CE(cudaMalloc(&e->logits, sizeof(float) * R * c.vocab));
+		CE(cudaMalloc(&e->picks, sizeof(int) * R));
+		CE(cudaMallocHost(&e->hostPicks, sizeof(int) * R));
+	}
 
 	cudaGraphExec_t one;
 	if ((ce = graphFor(e, 1, &one)) != cudaSuccess) {
@@ -1730,8 +1772,15 @@ extern "C" int mf_step(mf_engine *e, int token, const float *hidden, int pos, in
 
 extern "C" int mf_step_rows(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos, const int *loc,
                             const int32_t *cells, const int *ncells, float *out, int out_pinned, char *err, int errlen) {
+	return mf_step_rows_picks(e, rows, tokens, hidden, pos, loc, cells, ncells, out, out_pinned, nullptr, err, errlen);
+}
+
+extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos,
+                                  const int *loc, const int32_t *cells, const int *ncells, float *out, int out_pinned,
+                                  int *picks, char *err, int errlen) {
 	const mf_config &c = e->c;
 	if (rows < 1 || rows > e->maxRows) return errf(err, errlen, "%d rows in a pass (1 to %d)", rows, e->maxRows), 1;
+	if (picks && !e->last) return errf(err, errlen, "greedy picks asked of a stage without the output layer"), 1;
 	int total = 0;
 	for (int r = 0; r < rows; r++) {
 		const int n = ncells[r];
@@ -1774,10 +1823,22 @@ extern "C" int mf_step_rows(mf_engine *e, int rows, const int *tokens, const flo
 	CK(cudaGraphLaunch(exec, e->stream));
 	if (e->timing) CK(cudaEventRecord(e->ev1, e->stream));
 	const size_t nout = (size_t)rows * (e->last ? c.vocab : c.embd);
-	CK(cudaMemcpyAsync(out_pinned ? out : e->hostIO, e->last ? e->logits : e->x, sizeof(float) * nout, cudaMemcpyDeviceToHost,
-	                   e->stream));
+	if (picks) {
+		// 4 bytes a row cross the bus instead of the vocabulary's logits,
+		// and the host scans nothing (128K logits took the host longer
+		// than their D2H copy: about 0.1 ms a row on the H200 host).
+		greedyPicks<<<rows, kPickThreads, 0, e->stream>>>(e->logits, c.vocab, e->picks);
+		CK(cudaGetLastError());
+		CK(cudaMemcpyAsync(e->hostPicks, e->picks, sizeof(int) * rows, cudaMemcpyDeviceToHost, e->stream));
+	} else {
+		CK(cudaMemcpyAsync(out_pinned ? out : e->hostIO, e->last ? e->logits : e->x, sizeof(float) * nout,
+		                   cudaMemcpyDeviceToHost, e->stream));
+	}
 	CK(cudaStreamSynchronize(e->stream));
-	if (!out_pinned) memcpy(out, e->hostIO, sizeof(float) * nout);
+	if (picks)
+		memcpy(picks, e->hostPicks, sizeof(int) * rows);
+	else if (!out_pinned)
+		memcpy(out, e->hostIO, sizeof(float) * nout);
 	if (e->timing) {
 		float ms = 0;
 		CK(cudaEventElapsedTime(&ms, e->ev0, e->ev1));
@@ -1863,6 +1924,23 @@ extern "C" void mf_profile_rows(mf_engine *e, int n) {
 
 extern "C" void mf_profile(mf_engine *e) { mf_profile_rows(e, 1); }
 
+// mf_greedy_picks runs greedyPicks on rows × vocab host logits: for
+// fused_check, not for meshnode. 0, or a CUDA error.
+extern "C" int mf_greedy_picks(const float *logits, int rows, int vocab, int *picks) {
+	float *d = nullptr;
+	int *dp = nullptr;
+	cudaError_t ce = cudaMalloc(&d, sizeof(float) * rows * vocab);
+	if (ce == cudaSuccess) ce = cudaMalloc(&dp, sizeof(int) * rows);
+	if (ce == cudaSuccess) ce = cudaMemcpy(d, logits, sizeof(float) * rows * vocab, cudaMemcpyHostToDevice);
+	if (ce == cudaSuccess) {
+		greedyPicks<<<rows, kPickThreads>>>(d, vocab, dp);
+		ce = cudaGetLastError();
+	}
+	if (ce == cudaSuccess) ce = cudaMemcpy(picks, dp, sizeof(int) * rows, cudaMemcpyDeviceToHost);
+	cudaFree(d), cudaFree(dp);
+	return ce;
+}
+
 extern "C" float *mf_host_alloc(size_t n) {
 	float *p = nullptr;
 	if (cudaHostAlloc(&p, sizeof(float) * n, cudaHostAllocPortable) != cudaSuccess) return nullptr;
@@ -1879,8 +1957,9 @@ extern "C" void mf_destroy(mf_engine *e) {
 	for (cudaGraphExec_t x : e->exec)
 		if (x) cudaGraphExecDestroy(x);
 	cudaFree(e->x), cudaFree(e->qkv), cudaFree(e->att), cudaFree(e->act), cudaFree(e->logits);
-	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->params), cudaFree(e->img);
+	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->params), cudaFree(e->img), cudaFree(e->picks);
 	if (e->hostParams) cudaFreeHost(e->hostParams);
+	if (e->hostPicks) cudaFreeHost(e->hostPicks);
 	if (e->hostIO) cudaFreeHost(e->hostIO);
 	if (e->ev0) cudaEventDestroy(e->ev0);
 	if (e->ev1) cudaEventDestroy(e->ev1);

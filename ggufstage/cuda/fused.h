@@ -72,6 +72,16 @@ int mf_step(mf_engine *e, int token, const float *hidden, int pos, int loc,
 int mf_step_rows(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos, const int *loc,
                  const int32_t *cells, const int *ncells, float *out, int out_pinned, char *err, int errlen);
 
+// mf_step_rows_picks is mf_step_rows for a stage with the output layer
+// whose caller samples greedily: instead of the logits (out is left alone),
+// picks[r] receives row r's greedy pick, the index of its largest logit as
+// node/sample's sampler takes it at temperature 0 with no penalties: NaN
+// counts as -Inf and +Inf as the largest finite float, the lowest index
+// wins ties, and a row of only -Inf picks 0. picks NULL: mf_step_rows.
+int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos, const int *loc,
+                       const int32_t *cells, const int *ncells, float *out, int out_pinned, int *picks, char *err,
+                       int errlen);
+
 // mf_max_rows is the most rows mf_step_rows takes: 8, fewer where the
 // rows' inputs leave the mat-vecs too little shared memory (4 for a
 // feed-forward of 27648, the 32B shape), or MESHNODE_FUSED_ROWS.

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -30,6 +31,17 @@
 
 extern "C" void mf_profile(mf_engine *e);
 extern "C" void mf_profile_rows(mf_engine *e, int n);
+extern "C" int mf_greedy_picks(const float *logits, int rows, int vocab, int *picks);
+
+// greedyPick is node/sample's greedy pick: argmax of the sanitized logits
+// (NaN as -Inf, +Inf as the largest finite float), the lowest index on ties.
+static int greedyPick(const float *l, size_t n) {
+	auto clean = [](float x) { return x != x ? -INFINITY : std::min(x, FLT_MAX); };
+	size_t best = 0;
+	for (size_t i = 1; i < n; i++)
+		if (clean(l[i]) > clean(l[best])) best = i;
+	return (int)best;
+}
 
 #define CHECK(call)                                                                                                \
 	do {                                                                                                           \
@@ -426,13 +438,23 @@ static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char 
 	for (int r = 0; r < rows; r++) step(whole, toks[r], nullptr, pos[r], loc[r], own[r], alone.data() + r * V);
 	std::vector<float> hiddenAlone((size_t)rows * embd);
 	for (int r = 0; r < rows; r++) step(a, toks[r], nullptr, pos[r], loc[r], own[r], hiddenAlone.data() + (size_t)r * embd);
-	int splitDiffer = 0, orderDiffer = 0, nan = 0, argDiffer = 0;
+	int splitDiffer = 0, orderDiffer = 0, nan = 0, argDiffer = 0, pickDiffer = 0;
 	double num = 0, den = 0;
 	if (rows <= maxRows) {
 		stepRows(whole, rows, toks.data(), nullptr, pos.data(), loc.data(), all, ncells.data(), together.data());
 		stepRows(whole, rows, rtoks.data(), nullptr, rpos.data(), rloc.data(), rall, rn.data(), reversed.data());
 		stepRows(a, rows, toks.data(), nullptr, pos.data(), loc.data(), all, ncells.data(), hidden.data());
 		stepRows(b, rows, toks.data(), hidden.data(), pos.data(), loc.data(), all, ncells.data(), split.data());
+		// The same pass again (it writes the same cache cells alike), asking
+		// for greedy picks instead of logits.
+		std::vector<int> picks(rows, -2);
+		char err[512];
+		if (mf_step_rows_picks(b, rows, toks.data(), hidden.data(), pos.data(), loc.data(), all.data(), ncells.data(), nullptr, 0,
+		                       picks.data(), err, sizeof err)) {
+			fprintf(stderr, "mf_step_rows_picks: %s\n", err);
+			exit(1);
+		}
+		for (int r = 0; r < rows; r++) pickDiffer += picks[r] != greedyPick(&split[r * V], V);
 		for (int r = 0; r < rows; r++) {
 			int ga = 0, gt = 0;
 			for (size_t i = 0; i < V; i++) {
@@ -461,12 +483,51 @@ static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char 
 		         relOf(&together[r * V], &alone[r * V], V));
 		byRow += buf;
 	}
-	const bool ok = rows <= maxRows && splitDiffer == 0 && orderDiffer == 0 && nan == 0 && rel < 5e-3 && argDiffer == 0;
-	printf("check rows n_embd %d, heads %d/%d of %d: %d rows (at most %d) in one pass: split differs in %d, reverse order in %d; against each row alone rel err %.1e, argmax differs in %d rows; nonfinite %d: %s\n    by row, first layer/logits:%s\n",
-	       embd, nHead, nKV, hd, rows, maxRows, splitDiffer, orderDiffer, rel, argDiffer, nan, ok ? "ok" : "FAIL", byRow.c_str());
+	const bool ok = rows <= maxRows && splitDiffer == 0 && orderDiffer == 0 && nan == 0 && rel < 5e-3 && argDiffer == 0 && pickDiffer == 0;
+	printf("check rows n_embd %d, heads %d/%d of %d: %d rows (at most %d) in one pass: split differs in %d, reverse order in %d; against each row alone rel err %.1e, argmax differs in %d rows; greedy picks differ in %d; nonfinite %d: %s\n    by row, first layer/logits:%s\n",
+	       embd, nHead, nKV, hd, rows, maxRows, splitDiffer, orderDiffer, rel, argDiffer, pickDiffer, nan, ok ? "ok" : "FAIL", byRow.c_str());
 	mf_destroy(whole), mf_destroy(a), mf_destroy(b);
 	if (rowsSplits) unsetenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS"), printf("  (attention of several rows in up to %s splits)\n", rowsSplits);
 	return ok ? 0 : 1;
+}
+
+// checkPicks runs the greedy-pick kernel on rows with NaN, infinities, ties
+// and maxima at the ends, at vocabulary sizes that are not multiples of its
+// block, against greedyPick.
+static int checkPicks() {
+	int bad = 0, rowsChecked = 0;
+	for (int vocab : {1, 7, 1000, 1025, 32000, 128256, 151936}) {
+		const int rows = 12;
+		std::vector<float> l((size_t)rows * vocab);
+		std::normal_distribution<float> nd(0, 3);
+		for (auto &x : l) x = nd(rng);
+		auto row = [&](int r) { return &l[(size_t)r * vocab]; };
+		std::uniform_int_distribution<int> any(0, vocab - 1);
+		row(1)[any(rng)] = NAN, row(1)[any(rng)] = NAN;                       // NaN never wins
+		row(2)[any(rng)] = INFINITY, row(2)[any(rng)] = FLT_MAX;              // +Inf ties FLT_MAX: the first wins
+		for (int i = 0; i < vocab; i++) row(3)[i] = -INFINITY;                // all -Inf: 0
+		for (int i = 0; i < vocab; i++) row(4)[i] = NAN;                      // all NaN: 0
+		row(5)[vocab - 1] = 100;                                              // the last
+		row(6)[0] = 100;                                                      // the first
+		for (int i = 0; i < vocab; i++) row(7)[i] = 1.5f;                     // all equal: 0
+		row(8)[any(rng)] = 50, row(8)[any(rng)] = 50, row(8)[any(rng)] = 50; // ties: the lowest
+		row(9)[any(rng)] = -INFINITY, row(9)[0] = NAN;
+		row(10)[any(rng)] = INFINITY, row(10)[any(rng)] = INFINITY;
+		std::vector<int> picks(rows, -2);
+		if (int ce = mf_greedy_picks(l.data(), rows, vocab, picks.data())) {
+			fprintf(stderr, "mf_greedy_picks: CUDA error %d\n", ce);
+			return 1;
+		}
+		for (int r = 0; r < rows; r++, rowsChecked++) {
+			const int want = greedyPick(row(r), vocab);
+			if (picks[r] != want) {
+				bad++;
+				printf("  greedy pick of row %d of %d logits: %d, want %d\n", r, vocab, picks[r], want);
+			}
+		}
+	}
+	printf("check greedy picks: %d rows, %d wrong: %s\n", rowsChecked, bad, bad ? "FAIL" : "ok");
+	return bad ? 1 : 0;
 }
 
 // Fills device memory with random quantized blocks: no host round trip for
@@ -646,6 +707,7 @@ int main(int argc, char **argv) {
 		bad |= check(2048, 16, 2, 128, 120, true);
 		bad |= check(2048, 32, 4, 64, 40, true);
 		// Several sequences in one pass.
+		bad |= checkPicks();
 		bad |= checkRows(2048, 16, 4, 128, 3);
 		bad |= checkRows(2048, 32, 8, 64, 8);
 		bad |= checkRows(5120, 40, 8, 128, 4);
