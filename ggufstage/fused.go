@@ -249,6 +249,9 @@ type causalView struct {
 	keys   *map[int]ml.Tensor
 	values *map[int]ml.Tensor
 	ranges reflect.Value // cellRanges, settable: map[int]cellRange{min, max int}
+
+	lo, hi []int     // rowsCells': each row's cell range, reused
+	byRow  [][]int32 // rowsCells': each row's cells, reused
 }
 
 type causalCell struct {
@@ -289,30 +292,41 @@ func newCausalView(cache kvcache.Cache) (*causalView, error) {
 	}, nil
 }
 
-// place gives position pos of seq the first free cell, as the cache's
-// StartForward does for a batch of that one row, and returns the cell.
-// StartForward also builds the inputs of a ggml graph (the cell indexes
-// and the attention mask, in buffers of their own) that a fused step
-// does not use: that costs tens of microseconds a step, and a step is a
-// millisecond. The cache must have no sliding window (llama's and qwen2's
-// have none).
-func (v *causalView) place(seq int, pos int32) (int, error) {
+// placeRows places each row of a pass (slot seqs[r] at position pos[r])
+// in the first free cell in turn, as the cache's StartForward does for a
+// batch of one row after another, with one look over the cells instead of
+// one a row (a cache of 32 sequences of a few hundred tokens has thousands
+// of cells before the first free one). StartForward also builds the
+// inputs of a ggml graph (the cell indexes and the attention mask, in
+// buffers of their own) that a fused step does not use: that costs tens
+// of microseconds a step, and a step is a millisecond. The cache must have
+// no sliding window (llama's and qwen2's have none). It appends the cells
+// to locs. A cache without room for every row places none.
+func (v *causalView) placeRows(seqs []int, pos []int32, locs []int) ([]int, error) {
 	cells := *v.cells
-	loc := slices.IndexFunc(cells, func(c causalCell) bool { return len(c.sequences) == 0 })
-	if loc < 0 {
-		return 0, fmt.Errorf("%w (cache: %d cells, batch: 1)", kvcache.ErrKvCacheFull, len(cells))
+	start := len(locs)
+	for i := 0; i < len(cells) && len(locs)-start < len(seqs); i++ {
+		if len(cells[i].sequences) == 0 {
+			locs = append(locs, i)
+		}
 	}
-	cells[loc] = causalCell{pos: pos, sequences: []int{seq}}
-	key := reflect.ValueOf(seq)
-	r := reflect.New(v.ranges.Type().Elem()).Elem()
-	lo, hi := loc, loc
-	if old := v.ranges.MapIndex(key); old.IsValid() {
-		lo, hi = min(lo, int(old.Field(0).Int())), max(hi, int(old.Field(1).Int()))
+	if len(locs)-start < len(seqs) {
+		return locs[:start], fmt.Errorf("%w (cache: %d cells, batch: %d)", kvcache.ErrKvCacheFull, len(cells), len(seqs))
 	}
-	reflect.NewAt(r.Field(0).Type(), unsafe.Pointer(r.Field(0).UnsafeAddr())).Elem().SetInt(int64(lo))
-	reflect.NewAt(r.Field(1).Type(), unsafe.Pointer(r.Field(1).UnsafeAddr())).Elem().SetInt(int64(hi))
-	v.ranges.SetMapIndex(key, r)
-	return loc, nil
+	for r, loc := range locs[start:] {
+		seq := seqs[r]
+		cells[loc] = causalCell{pos: pos[r], sequences: []int{seq}}
+		key := reflect.ValueOf(seq)
+		rng := reflect.New(v.ranges.Type().Elem()).Elem()
+		lo, hi := loc, loc
+		if old := v.ranges.MapIndex(key); old.IsValid() {
+			lo, hi = min(lo, int(old.Field(0).Int())), max(hi, int(old.Field(1).Int()))
+		}
+		reflect.NewAt(rng.Field(0).Type(), unsafe.Pointer(rng.Field(0).UnsafeAddr())).Elem().SetInt(int64(lo))
+		reflect.NewAt(rng.Field(1).Type(), unsafe.Pointer(rng.Field(1).UnsafeAddr())).Elem().SetInt(int64(hi))
+		v.ranges.SetMapIndex(key, rng)
+	}
+	return locs, nil
 }
 
 // layerKV returns layer i's K and V tensors, or nils before ggml has
@@ -321,23 +335,44 @@ func (v *causalView) layerKV(i int) (k, val ml.Tensor) {
 	return (*v.keys)[i], (*v.values)[i]
 }
 
-// seqCells appends to into the cells seq (a cache slot) holds at positions
-// before pos: the ones a decode step at pos attends to besides its own.
-func (v *causalView) seqCells(seq int, pos int32, into []int32) (earlier []int32, err error) {
-	r := v.ranges.MapIndex(reflect.ValueOf(seq))
-	if !r.IsValid() {
-		return nil, fmt.Errorf("cache slot %d holds no cells", seq)
-	}
-	lo, hi := int(r.Field(0).Int()), int(r.Field(1).Int())
+// rowsCells appends to into the cells that each row of a pass (slot
+// seqs[r], the slots differing, at position pos[r]) attends to besides its
+// own: those its slot holds at positions before pos[r], ascending, one row
+// after another; and each row's count to counts. It looks over
+// the cells once, not once a row: with many sequences in the cache, each
+// sequence's cells spread over most of it.
+func (v *causalView) rowsCells(seqs []int, pos []int32, into []int32, counts []int) ([]int32, []int, error) {
 	cells := *v.cells
-	if lo < 0 || hi >= len(cells) || lo > hi {
-		return nil, fmt.Errorf("cache slot %d has cell range [%d,%d] outside %d cells", seq, lo, hi, len(cells))
+	if cap(v.lo) < len(seqs) {
+		v.lo, v.hi, v.byRow = make([]int, len(seqs)), make([]int, len(seqs)), make([][]int32, len(seqs))
 	}
-	earlier = into
-	for i := lo; i <= hi; i++ {
-		if c := &cells[i]; c.pos < pos && slices.Contains(c.sequences, seq) {
-			earlier = append(earlier, int32(i))
+	lo, hi, byRow := v.lo[:len(seqs)], v.hi[:len(seqs)], v.byRow[:len(seqs)]
+	from, to := len(cells), -1
+	for r, seq := range seqs {
+		rng := v.ranges.MapIndex(reflect.ValueOf(seq))
+		if !rng.IsValid() {
+			return into, counts, fmt.Errorf("cache slot %d holds no cells", seq)
+		}
+		lo[r], hi[r] = int(rng.Field(0).Int()), int(rng.Field(1).Int())
+		if lo[r] < 0 || hi[r] >= len(cells) || lo[r] > hi[r] {
+			return into, counts, fmt.Errorf("cache slot %d has cell range [%d,%d] outside %d cells", seq, lo[r], hi[r], len(cells))
+		}
+		from, to = min(from, lo[r]), max(to, hi[r])
+		byRow[r] = byRow[r][:0]
+	}
+	for i := from; i <= to; i++ {
+		c := &cells[i]
+		if len(c.sequences) == 0 {
+			continue
+		}
+		for r, seq := range seqs {
+			if i >= lo[r] && i <= hi[r] && c.pos < pos[r] && slices.Contains(c.sequences, seq) {
+				byRow[r] = append(byRow[r], int32(i))
+			}
 		}
 	}
-	return earlier, nil
+	for r := range seqs {
+		into, counts = append(into, byRow[r]...), append(counts, len(byRow[r]))
+	}
+	return into, counts, nil
 }

@@ -148,6 +148,7 @@ type cudaFused struct {
 	// written, earlier cells (one list after another) and their counts.
 	tokens, pos, loc, ncells []C.int
 	cells                    []int32
+	locs, counts             []int // placeRows' and rowsCells' results, reused
 	// hostEmbd is the token embedding where ggml keeps it in host memory
 	// (ollama places the input layer on the CPU): the first stage looks
 	// each token's row up here and hands the kernels hidden states.
@@ -413,22 +414,22 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 	r0 := 0
 	for _, rows := range sizes {
 		f.tokens, f.pos, f.loc, f.ncells, f.cells = f.tokens[:0], f.pos[:0], f.loc[:0], f.ncells[:0], f.cells[:0]
+		seqs, pos := slots[r0:r0+rows], b.Pos[r0:r0+rows]
+		var err error
+		if f.locs, err = f.view.placeRows(seqs, pos, f.locs[:0]); err != nil {
+			return fail(fmt.Errorf("placing batch in the KV cache: %w", err))
+		}
+		placed += rows
+		if f.cells, f.counts, err = f.view.rowsCells(seqs, pos, f.cells, f.counts[:0]); err != nil {
+			return fail(fmt.Errorf("fused decode: %w", err))
+		}
 		for r := r0; r < r0+rows; r++ {
-			loc, err := f.view.place(slots[r], b.Pos[r])
-			if err != nil {
-				return fail(fmt.Errorf("placing batch in the KV cache: %w", err))
-			}
-			placed++
-			before := len(f.cells)
-			if f.cells, err = f.view.seqCells(slots[r], b.Pos[r], f.cells); err != nil {
-				return fail(fmt.Errorf("fused decode: %w", err))
-			}
 			token := C.int(0)
 			if e.info.First() {
 				token = C.int(b.Tokens[r])
 			}
 			f.tokens, f.pos = append(f.tokens, token), append(f.pos, C.int(b.Pos[r]))
-			f.loc, f.ncells = append(f.loc, C.int(loc)), append(f.ncells, C.int(len(f.cells)-before))
+			f.loc, f.ncells = append(f.loc, C.int(f.locs[r-r0])), append(f.ncells, C.int(f.counts[r-r0]))
 		}
 		var hp *C.float
 		switch {

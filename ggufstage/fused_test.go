@@ -64,14 +64,26 @@ func TestCausalViewPlace(t *testing.T) {
 	}
 	next := map[stage.SeqID]int32{1: 2, 2: 3}
 	for step := 0; ; step++ {
-		seq := stage.SeqID(1 + step%2)
-		pos := next[seq]
-		next[seq]++
-		errA := startForward(a.slots[seq], pos)
-		_, errB := vb.place(b.slots[seq], pos)
+		// Every third step places both sequences in one pass (placeRows),
+		// the reference one row after the other.
+		seqs := []stage.SeqID{stage.SeqID(1 + step%2)}
+		if step%3 == 2 {
+			seqs = []stage.SeqID{2, 1}
+		}
+		var slots []int
+		var pos []int32
+		var errA error
+		for _, seq := range seqs {
+			slots, pos = append(slots, b.slots[seq]), append(pos, next[seq])
+			if errA == nil {
+				errA = startForward(a.slots[seq], next[seq])
+			}
+			next[seq]++
+		}
+		_, errB := vb.placeRows(slots, pos, nil)
 		if errA != nil || errB != nil {
 			if !errors.Is(errA, kvcache.ErrKvCacheFull) || !errors.Is(errB, kvcache.ErrKvCacheFull) {
-				t.Fatalf("step %d: StartForward: %v; place: %v", step, errA, errB)
+				t.Fatalf("step %d: StartForward: %v; placeRows: %v", step, errA, errB)
 			}
 			if step < 10 {
 				t.Fatalf("the cache filled after %d steps", step)
@@ -79,26 +91,28 @@ func TestCausalViewPlace(t *testing.T) {
 			break
 		}
 		if !reflect.DeepEqual(*va.cells, *vb.cells) {
-			t.Fatalf("step %d (seq %d, pos %d): cells differ:\nStartForward %v\nplace        %v", step, seq, pos, *va.cells, *vb.cells)
+			t.Fatalf("step %d (seqs %v, pos %v): cells differ:\nStartForward %v\nplaceRows    %v", step, seqs, pos, *va.cells, *vb.cells)
 		}
 		if ra, rb := rangesOf(va), rangesOf(vb); !slices.Equal(ra, rb) {
-			t.Fatalf("step %d (seq %d, pos %d): cell ranges differ:\nStartForward %v\nplace        %v", step, seq, pos, ra, rb)
+			t.Fatalf("step %d (seqs %v, pos %v): cell ranges differ:\nStartForward %v\nplaceRows    %v", step, seqs, pos, ra, rb)
 		}
-		// The cells the step attends to besides its own: those of its
-		// sequence before pos, as the reference cache holds them.
-		var want []int32
-		for i, c := range *va.cells {
-			if c.pos < pos && slices.Contains(c.sequences, a.slots[seq]) {
-				want = append(want, int32(i))
-			}
-		}
-		if got, err := vb.seqCells(b.slots[seq], pos, nil); err != nil || !slices.Equal(got, want) {
-			t.Fatalf("step %d (seq %d, pos %d): earlier cells %v (%v), want %v", step, seq, pos, got, err, want)
-		}
-		// A pass of several rows lists its rows' cells one after another.
+		// The cells each row attends to besides its own: those of its
+		// sequence before its position, as the reference cache holds them;
+		// a pass of several rows lists its rows' cells one after another.
 		prev := []int32{-7}
-		if got, err := vb.seqCells(b.slots[seq], pos, prev); err != nil || !slices.Equal(got, append(prev, want...)) {
-			t.Fatalf("step %d (seq %d, pos %d): earlier cells after %v: %v (%v), want them appended", step, seq, pos, prev, got, err)
+		want, wantCounts := slices.Clone(prev), []int{5}
+		for r, seq := range seqs {
+			n := 0
+			for i, c := range *va.cells {
+				if c.pos < pos[r] && slices.Contains(c.sequences, a.slots[seq]) {
+					want, n = append(want, int32(i)), n+1
+				}
+			}
+			wantCounts = append(wantCounts, n)
+		}
+		got, counts, err := vb.rowsCells(slots, pos, prev, []int{5})
+		if err != nil || !slices.Equal(got, want) || !slices.Equal(counts, wantCounts) {
+			t.Fatalf("step %d (seqs %v, pos %v): earlier cells %v, counts %v (%v), want %v, %v", step, seqs, pos, got, counts, err, want, wantCounts)
 		}
 	}
 }
