@@ -52,21 +52,22 @@ func fusedTakes(b *stage.Batch, slots []int, last bool) bool {
 	return true
 }
 
-// fusedPasses is the most fused passes one batch takes by default
-// (MESHNODE_FUSED_PASSES sets it for experiments); larger batches run on
-// ggml. Two passes of eight rows (16) beat ggml's pass of 16 on an H200;
-// four (32) decoded the 8B model at 32 streams as fast as ggml's pass of 32
-// did in the same run, 1997 against 2016 tok/s (run 82), so the larger
-// batches stay with ggml.
-const fusedPasses = 2
-
-// fusedPassLimit is fusedPasses, or MESHNODE_FUSED_PASSES where that is a
-// count from 1 to 64.
-func fusedPassLimit() int {
+// fusedPassLimit is the most fused passes one batch takes; larger batches
+// run on ggml. MESHNODE_FUSED_PASSES (a count from 1 to 64) sets it for
+// experiments. By default a model whose passes take eight rows (maxRows)
+// takes four, 32 rows: once the last stage returned greedy picks instead
+// of logits, four passes of eight decoded the 8B model at 32 streams on
+// an H200 at 2322 tok/s against ggml's 1694 in one pass of 32 (run 91).
+// Passes of four rows (the 32B model's) take two: four of them lost to
+// ggml's pass of 16 (665 against 807 tok/s, pipelined on two GPUs).
+func fusedPassLimit(maxRows int) int {
 	if n, err := strconv.Atoi(os.Getenv("MESHNODE_FUSED_PASSES")); err == nil && n >= 1 && n <= 64 {
 		return n
 	}
-	return fusedPasses
+	if maxRows >= 8 {
+		return 4
+	}
+	return 2
 }
 
 // fusedPassSizes splits a batch of n rows into fused passes of at most

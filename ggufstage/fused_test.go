@@ -190,22 +190,26 @@ func TestFusedPassSizes(t *testing.T) {
 // count from 1 to 64; anything else leaves the default.
 func TestFusedPassLimit(t *testing.T) {
 	tests := []struct {
-		env  string
-		want int
+		env     string
+		maxRows int
+		want    int
 	}{
-		{"", fusedPasses},
-		{"4", 4},
-		{"1", 1},
-		{"64", 64},
-		{"0", fusedPasses},
-		{"65", fusedPasses},
-		{"-2", fusedPasses},
-		{"four", fusedPasses},
+		{"", 8, 4},
+		{"", 16, 4},
+		{"", 4, 2},
+		{"", 1, 2},
+		{"4", 4, 4},
+		{"1", 8, 1},
+		{"64", 8, 64},
+		{"0", 8, 4},
+		{"65", 4, 2},
+		{"-2", 8, 4},
+		{"four", 4, 2},
 	}
 	for _, tc := range tests {
 		t.Setenv("MESHNODE_FUSED_PASSES", tc.env)
-		if got := fusedPassLimit(); got != tc.want {
-			t.Errorf("MESHNODE_FUSED_PASSES=%q: limit %d, want %d", tc.env, got, tc.want)
+		if got := fusedPassLimit(tc.maxRows); got != tc.want {
+			t.Errorf("MESHNODE_FUSED_PASSES=%q, passes of %d rows: limit %d, want %d", tc.env, tc.maxRows, got, tc.want)
 		}
 	}
 }
