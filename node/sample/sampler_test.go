@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -152,9 +153,18 @@ func TestFilters(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			s := New(params(tt.fn))
-			cs, pick := s.candidates(dist, nil)
+			cs, pick, sum := s.candidates(dist, nil)
 			if pick != -1 {
 				t.Fatalf("deterministic pick %d", pick)
+			}
+			// A sum it returns is the candidates' weights summed in their
+			// order, as draw would sum them.
+			inOrder := 0.0
+			for _, c := range cs {
+				inOrder += c.w
+			}
+			if sum >= 0 && sum != inOrder {
+				t.Fatalf("candidates' sum %v, their weights sum to %v", sum, inOrder)
 			}
 			// The draw order is not by probability; compare as sets.
 			slices.SortFunc(cs, compareCands)
@@ -178,7 +188,7 @@ func TestFilters(t *testing.T) {
 
 func TestTopKTies(t *testing.T) {
 	s := New(params(func(p *Params) { p.TopK = 2 }))
-	cs, _ := s.candidates([]float32{1, 3, 3, 3, 0}, nil)
+	cs, _, _ := s.candidates([]float32{1, 3, 3, 3, 0}, nil)
 	if len(cs) != 2 || cs[0].id != 1 || cs[1].id != 2 {
 		t.Errorf("top-2 of tied tokens = %+v, want ids 1 and 2", cs)
 	}
@@ -215,7 +225,7 @@ func TestSelectionMatchesSort(t *testing.T) {
 	for _, temp := range []float32{0.3, 1, 2} {
 		for _, p := range []float32{0.1, 0.5, 0.9, 0.99, 0.999} {
 			s := New(params(func(q *Params) { q.TopP, q.Temperature = p, temp }))
-			cs, _ := s.candidates(l, nil)
+			cs, _, _ := s.candidates(l, nil)
 			// Reference: cumulative softmax over the sorted vocabulary.
 			w := make([]float64, n)
 			total := 0.0
@@ -529,7 +539,7 @@ func TestArgmaxFiniteMatchesSanitized(t *testing.T) {
 			for i, x := range l {
 				clean[i] = sanitize(x)
 			}
-			want := argmax(clean)
+			want := plainArgmax(clean)
 			got, ok := argmaxFinite(l)
 			if !ok {
 				if !slices.Contains(l, inf) {
@@ -586,5 +596,149 @@ func TestGreedyIsStagePick(t *testing.T) {
 	constrained.Constrain(&JSONConstraint{})
 	if constrained.Greedy() {
 		t.Error("a sampler with a JSON constraint says it is Greedy")
+	}
+}
+
+// TestExpNonPositive checks expNonPositive against math.Exp over the range
+// sampling uses, at the edges of its table's steps and of the subnormals,
+// and at the special values.
+func TestExpNonPositive(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 5))
+	worst := 0.0
+	check := func(x float64) {
+		got, want := expNonPositive(x), math.Exp(x)
+		if want == 0 || want < 0x1p-1022 {
+			// Subnormal results keep fewer bits; compare absolutely.
+			if d := math.Abs(got - want); d > 1e-321 {
+				t.Fatalf("exp(%v) = %v, want %v", x, got, want)
+			}
+			return
+		}
+		rel := math.Abs(got-want) / want
+		worst = max(worst, rel)
+		if !(rel < 1e-14) {
+			t.Fatalf("exp(%v) = %v, want %v: relative error %.3g", x, got, want, rel)
+		}
+	}
+	for range 200000 {
+		check(-r.Float64() * 40)
+		check(-r.Float64() * 745)
+		check(-r.Float64() * 1e-3)
+	}
+	for k := range 40000 {
+		// Around the points where the rounding of x·32/ln2 changes.
+		x := -(float64(k) + 0.5) * math.Ln2 / expSteps
+		for _, d := range []float64{-1e-12, 0, 1e-12} {
+			check(x + d)
+		}
+	}
+	for _, x := range []float64{-708.3, -708.4, -709, -744.4, -745} {
+		check(x)
+	}
+	specials := []struct{ x, want float64 }{
+		{0, 1}, {math.Copysign(0, -1), 1}, {-745.2, 0}, {-1000, 0}, {math.Inf(-1), 0}, {math.NaN(), 0},
+	}
+	for _, s := range specials {
+		if got := expNonPositive(s.x); got != s.want {
+			t.Errorf("exp(%v) = %v, want %v", s.x, got, s.want)
+		}
+	}
+	t.Logf("worst relative error %.3g", worst)
+}
+
+// plainArgmax is the reference argmax: the first index of the largest value.
+func plainArgmax(l []float32) int32 {
+	best := 0
+	for i, x := range l {
+		if x > l[best] {
+			best = i
+		}
+	}
+	return int32(best)
+}
+
+// TestArgmax: argmax matches the plain loop on logits without NaN,
+// infinities included (a penalty can overflow a logit to +Inf).
+func TestArgmax(t *testing.T) {
+	r := rand.New(rand.NewPCG(8, 8))
+	specials := []float32{inf, ninf, math.MaxFloat32, 3, 3}
+	for n := 1; n <= 40; n++ {
+		for trial := range 200 {
+			l := make([]float32, n)
+			for i := range l {
+				l[i] = float32(r.IntN(7))
+				if r.IntN(6) == 0 {
+					l[i] = specials[r.IntN(len(specials))]
+				}
+			}
+			if got, want := argmax(l), plainArgmax(l); got != want {
+				t.Fatalf("n=%d trial %d: argmax = %d, want %d, logits %v", n, trial, got, want, l)
+			}
+		}
+	}
+}
+
+// TestWeighParts: a large vocabulary's weights are each expNonPositive's,
+// their sum is the parts' sums in order whatever the cores, and draws
+// follow the weights.
+func TestWeighParts(t *testing.T) {
+	const n = weighInParts + 12345
+	r := rand.New(rand.NewPCG(5, 9))
+	l := make([]float32, n)
+	for i := range l {
+		l[i] = float32(r.NormFloat64() * 3)
+	}
+	l[77] = float32(math.Inf(-1))
+	fresh := func() []cand {
+		cs := make([]cand, n)
+		for i, x := range l {
+			cs[i] = cand{id: int32(i), logit: x}
+		}
+		return cs
+	}
+	const maxLogit, invT = 20.0, 1 / 0.7
+	var want float64
+	var partSums [parts]float64
+	for p := range parts {
+		for i := p * n / parts; i < (p+1)*n/parts; i++ {
+			partSums[p] += expNonPositive((float64(l[i]) - maxLogit) * invT)
+		}
+	}
+	for _, s := range partSums {
+		want += s
+	}
+	for _, procs := range []int{1, 2, 8} {
+		prev := runtime.GOMAXPROCS(procs)
+		cs := fresh()
+		got := weighParts(cs, maxLogit, invT)
+		runtime.GOMAXPROCS(prev)
+		if got != want {
+			t.Fatalf("GOMAXPROCS %d: sum %v, want %v", procs, got, want)
+		}
+		for i, c := range cs {
+			if w := expNonPositive((float64(l[i]) - maxLogit) * invT); c.w != w || c.id != int32(i) {
+				t.Fatalf("GOMAXPROCS %d: candidate %d is %+v, want id %d weight %v", procs, i, c, i, w)
+			}
+		}
+	}
+
+	// Two likely tokens, 1:3, in a vocabulary of unlikely ones.
+	for i := range l {
+		l[i] = -40
+	}
+	l[7], l[n-3] = 0, float32(math.Log(3))
+	s := New(params(nil))
+	count := map[int32]int{}
+	const draws = 1000
+	history := make([]int32, 0, draws)
+	for range draws {
+		count[s.Sample(l, history)]++
+		history = append(history, 1) // a new position: a new random number
+	}
+	if count[7]+count[n-3] != draws {
+		t.Fatalf("draws %v, want only tokens 7 and %d", count, n-3)
+	}
+	if frac := float64(count[n-3]) / draws; math.Abs(frac-0.75) > 0.05 {
+		t.Errorf("token %d drawn %.3f of the time, want 0.75", n-3, frac)
 	}
 }
