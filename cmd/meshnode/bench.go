@@ -27,7 +27,7 @@ it starts that many meshnode processes on this machine (serve --split, then
 join), waits for a plan of exactly that many stages, and measures, through
 node 1's API, prefill tok/s of --streams concurrent --prefill-token prompts
 (max_tokens 1) and decode tok/s of --streams concurrent streaming
-completions (a --prompt of 64 token ids, --decode tokens, temperature 0),
+completions (a --prompt of 64 token ids, --decode tokens, temperature 0 unless --temperature),
 with the decode ratio to the 1-stage mesh. From the nodes' /metrics it
 also shows where a step went: each stage's compute and the rest (hops,
 framing, scheduling). --netns-delay D also runs every node in its own
@@ -66,6 +66,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	prefill := fs.Int("prefill", 512, "with --mesh: prompt tokens per stream of the prefill measurement; -1 skips it")
 	wire := fs.String("wire-dtype", "", "with --mesh: activations between stages (f16 or f32; default the nodes')")
 	busyPoll := fs.String("busy-poll", "", "with --mesh: the nodes' --busy-poll (auto, off or a duration; default the nodes')")
+	temperature := fs.Float64("temperature", 0, "with --mesh: the timed requests' temperature (0: greedy; above 0 the last stage samples every token from its logits on the host, as for OpenAI's default of 1)")
 	var nodeArgs repeated
 	fs.Var(&nodeArgs, "node-arg", "with --mesh: one more flag for every node's serve or join, e.g. --node-arg=--decode-graphs=on (repeatable)")
 	if err := parse(fs, args); err != nil {
@@ -95,7 +96,10 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 		mc := bench.MeshConfig{
 			Model: cfg.Model, Streams: cfg.Streams, DecodeTokens: cfg.DecodeTokens, Runs: cfg.Runs,
 			Threads: cfg.Threads, SkipLoopback: *netnsOnly, PrefillTokens: *prefill,
-			ProfileDir: *profileDir, Trace: *trace, WorkDir: *workDir,
+			ProfileDir: *profileDir, Trace: *trace, WorkDir: *workDir, Temperature: *temperature,
+		}
+		if !(*temperature >= 0 && *temperature <= 2) {
+			return fmt.Errorf("--temperature %v: want 0 to 2", *temperature)
 		}
 		set := map[string]bool{}
 		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })

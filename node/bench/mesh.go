@@ -25,6 +25,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -64,6 +65,10 @@ type MeshConfig struct {
 	NetnsDelay    time.Duration // one-way delay of every hop between two nodes (0: none); see setupNetns
 	WorkDir       string        // data dirs and logs; default a temporary dir, removed unless a run fails
 	ReadyTimeout  time.Duration // how long a mesh may take to form; default 10 minutes
+	// Temperature of the timed requests (0, greedy, by default; the
+	// greedy-text check stays at 0): above 0 the last stage samples
+	// every token from its logits on the host.
+	Temperature float64
 }
 
 // MeshRow is one measurement.
@@ -356,10 +361,10 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages, roun
 	api := m.procs[0].url
 	model := strings.TrimSuffix(filepath.Base(cfg.Model), filepath.Ext(cfg.Model))
 	// Warm up every stage once so that first-use allocations are not timed.
-	if _, err := runStreams(ctx, client, api, nw.apiKey, model, 1, 4, func(int) []int32 { return tokens(99, 0, cfg.PromptTokens) }); err != nil {
+	if _, err := runStreams(ctx, client, api, nw.apiKey, model, 1, 4, 0, func(int) []int32 { return tokens(99, 0, cfg.PromptTokens) }, nil); err != nil {
 		return nil, fmt.Errorf("warm-up request: %w", err)
 	}
-	greedy, err := runStreams(ctx, client, api, nw.apiKey, model, 1, 32, func(int) []int32 { return tokens(98, 0, cfg.PromptTokens) })
+	greedy, err := runStreams(ctx, client, api, nw.apiKey, model, 1, 32, 0, func(int) []int32 { return tokens(98, 0, cfg.PromptTokens) }, nil)
 	if err != nil {
 		return nil, fmt.Errorf("greedy check request: %w", err)
 	}
@@ -370,14 +375,17 @@ func runStages(ctx context.Context, cfg MeshConfig, nw meshNetwork, stages, roun
 		}
 		var prefill float64
 		if cfg.PrefillTokens > 0 {
-			res, err := runStreams(ctx, client, api, nw.apiKey, model, n, 1, func(i int) []int32 { return tokens(1000+i, run, cfg.PrefillTokens) })
+			res, err := runStreams(ctx, client, api, nw.apiKey, model, n, 1, 0, func(i int) []int32 { return tokens(1000+i, run, cfg.PrefillTokens) }, nil)
 			if err != nil {
 				return nil, fmt.Errorf("%d stream(s), prefill: %w", n, err)
 			}
 			prefill = prefillRate(res, cfg.PrefillTokens)
 		}
-		before := m.timings(ctx)
-		res, err := runStreams(ctx, client, api, nw.apiKey, model, n, cfg.DecodeTokens, func(i int) []int32 { return tokens(i, run, cfg.PromptTokens) })
+		// The breakdown covers decode passes only: from every stream's first
+		// token (the prompts are in) to the end.
+		var before []sums
+		res, err := runStreams(ctx, client, api, nw.apiKey, model, n, cfg.DecodeTokens, cfg.Temperature,
+			func(i int) []int32 { return tokens(i, run, cfg.PromptTokens) }, func() { before = m.timings(ctx) })
 		if err != nil {
 			return nil, fmt.Errorf("%d stream(s): %w", n, err)
 		}
@@ -904,7 +912,7 @@ func (m *meshRun) profile(ctx context.Context, api, model string, n int, tokens 
 			return errors.Join(errs...)
 		default:
 		}
-		if _, err := runStreams(ctx, m.client, api, m.nw.apiKey, model, n, m.cfg.DecodeTokens, func(i int) []int32 { return tokens(2000+i, round*1000+run, m.cfg.PromptTokens) }); err != nil {
+		if _, err := runStreams(ctx, m.client, api, m.nw.apiKey, model, n, m.cfg.DecodeTokens, m.cfg.Temperature, func(i int) []int32 { return tokens(2000+i, round*1000+run, m.cfg.PromptTokens) }, nil); err != nil {
 			cancel()
 			<-done
 			return err
@@ -1083,17 +1091,27 @@ type streamResult struct {
 	finish string
 }
 
-// runStreams sends n streaming completions at once and reads them all.
-func runStreams(ctx context.Context, client *http.Client, api, key, model string, n, maxTokens int, prompt func(i int) []int32) ([]streamResult, error) {
+// runStreams sends n streaming completions at once, at the given
+// temperature (each stream with a seed of its own), and reads them all.
+// allFirst, if set, is called once every stream has its first token: from
+// then on the passes are decode passes.
+func runStreams(ctx context.Context, client *http.Client, api, key, model string, n, maxTokens int, temperature float64,
+	prompt func(i int) []int32, allFirst func()) ([]streamResult, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	res := make([]streamResult, n)
 	errs := make([]error, n)
 	var wg sync.WaitGroup
 	gate := make(chan struct{})
+	var firsts atomic.Int32
+	first := func() {
+		if firsts.Add(1) == int32(n) && allFirst != nil {
+			allFirst()
+		}
+	}
 	for i := range n {
 		body, err := json.Marshal(map[string]any{
-			"model": model, "prompt": prompt(i), "max_tokens": maxTokens, "temperature": 0,
+			"model": model, "prompt": prompt(i), "max_tokens": maxTokens, "temperature": temperature, "seed": 1000 + i,
 			"stream": true, "stream_options": map[string]any{"include_usage": true},
 		})
 		if err != nil {
@@ -1103,7 +1121,7 @@ func runStreams(ctx context.Context, client *http.Client, api, key, model string
 		go func() {
 			defer wg.Done()
 			<-gate
-			res[i], errs[i] = runStream(ctx, client, api+"/v1/completions", key, body)
+			res[i], errs[i] = runStream(ctx, client, api+"/v1/completions", key, body, first)
 			if errs[i] != nil {
 				cancel() // one failure spoils the measurement; stop the rest
 			}
@@ -1122,7 +1140,9 @@ func runStreams(ctx context.Context, client *http.Client, api, key, model string
 	return res, nil
 }
 
-func runStream(ctx context.Context, client *http.Client, url, key string, body []byte) (streamResult, error) {
+// runStream sends one streaming completion and reads it, calling first
+// at its first token.
+func runStream(ctx context.Context, client *http.Client, url, key string, body []byte, first func()) (streamResult, error) {
 	var r streamResult
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
 	if err != nil {
@@ -1158,6 +1178,7 @@ func runStream(ctx context.Context, client *http.Client, url, key string, body [
 			if ch.Text != "" {
 				if r.first.IsZero() {
 					r.first = now
+					first()
 				}
 				r.chunks = append(r.chunks, now)
 			}
