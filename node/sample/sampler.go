@@ -94,7 +94,7 @@ func (s *Sampler) sample(logits []float32, history []int32) int32 {
 // deterministic pick (>= 0, or -1 for empty logits, with no candidates) or
 // the candidates to draw from, in a fixed order, with the sum of their
 // weights (-1 where filters left it to draw to sum): in that order, or by
-// weighParts for a whole large vocabulary.
+// weighParts for a whole large vocabulary (see weigh).
 func (s *Sampler) candidates(logits []float32, history []int32) ([]cand, int32, float64) {
 	n := len(logits)
 	if n == 0 {
@@ -109,6 +109,9 @@ func (s *Sampler) candidates(logits []float32, history []int32) ([]cand, int32, 
 	if cap(s.logits) < n {
 		s.logits = make([]float32, n)
 		s.cands = make([]cand, 0, n)
+	}
+	if k := s.p.TopK; (k <= 0 || k >= n) && !s.penalizes(history) && s.json == nil && s.p.Temperature > 0 {
+		return s.wholeVocabulary(logits)
 	}
 	l := s.logits[:n]
 	for i, x := range logits {
@@ -144,6 +147,32 @@ func (s *Sampler) candidates(logits []float32, history []int32) ([]cand, int32, 
 			cs[i] = cand{id: int32(i), logit: x}
 		}
 	}
+	return s.weigh(cs, maxLogit, invT)
+}
+
+// wholeVocabulary is candidates at a temperature with nothing to change the
+// logits and no top-k: every token is a candidate, which one pass over the
+// logits sanitizes, lists and finds the best of, where the general path
+// takes three (BenchmarkSample/plain).
+func (s *Sampler) wholeVocabulary(logits []float32) ([]cand, int32, float64) {
+	cs := s.cands[:len(logits)]
+	top, best := 0, sanitize(logits[0])
+	for i, x := range logits {
+		x = sanitize(x)
+		cs[i] = cand{id: int32(i), logit: x}
+		if x > best {
+			top, best = i, x
+		}
+	}
+	if math.IsInf(float64(best), -1) {
+		return nil, int32(top), 0
+	}
+	return s.weigh(cs, float64(best), 1/float64(s.p.Temperature))
+}
+
+// weigh weighs the candidates against the best logit, maxLogit, at the
+// inverse temperature invT, and applies top-p and min-p.
+func (s *Sampler) weigh(cs []cand, maxLogit, invT float64) ([]cand, int32, float64) {
 	if invT == 0 {
 		invT = math.SmallestNonzeroFloat64 // so that -Inf*invT is -Inf, not NaN
 	}

@@ -742,3 +742,37 @@ func TestWeighParts(t *testing.T) {
 		t.Errorf("token %d drawn %.3f of the time, want 0.75", n-3, frac)
 	}
 }
+
+// TestWholeVocabularyPath: sampling at a temperature with nothing to change
+// the logits takes one pass over them (wholeVocabulary); it draws exactly
+// the tokens of the general path, which a repeat penalty on a token whose
+// logit is -Inf (so that no value changes) forces.
+func TestWholeVocabularyPath(t *testing.T) {
+	r := rand.New(rand.NewPCG(6, 6))
+	specials := []float32{nan, inf, ninf, math.MaxFloat32, 3, 3}
+	for _, fn := range []func(*Params){
+		func(p *Params) { p.Temperature = 0.8 },
+		func(p *Params) { p.Temperature, p.TopP = 1, 0.9 },
+		func(p *Params) { p.Temperature, p.MinP = 1.3, 0.05 },
+	} {
+		for trial := range 100 {
+			n := 1 + r.IntN(3000)
+			l := make([]float32, n)
+			for i := range l {
+				l[i] = float32(r.NormFloat64() * 4)
+				if r.IntN(50) == 0 {
+					l[i] = specials[r.IntN(len(specials))]
+				}
+			}
+			l[0] = ninf
+			fast, general := New(params(fn)), New(params(func(p *Params) { fn(p); p.RepeatPenalty = 1.5 }))
+			history := []int32{0}
+			for step := range 5 {
+				if got, want := fast.Sample(l, history), general.Sample(l, history); got != want {
+					t.Fatalf("trial %d step %d (n=%d): one pass drew %d, the general path %d", trial, step, n, got, want)
+				}
+				history = append(history, 0)
+			}
+		}
+	}
+}
