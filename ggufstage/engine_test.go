@@ -23,7 +23,7 @@ type pipeline struct {
 	wire   stage.DType
 }
 
-func (p *pipeline) open(t *testing.T, seqs ...stage.SeqID) {
+func (p *pipeline) open(t testing.TB, seqs ...stage.SeqID) {
 	t.Helper()
 	for _, s := range p.stages {
 		for _, q := range seqs {
@@ -94,7 +94,7 @@ func (p *pipeline) close() {
 	}
 }
 
-func openSplit(t *testing.T, src string, bounds []int, opts Options) *pipeline {
+func openSplit(t testing.TB, src string, bounds []int, opts Options) *pipeline {
 	t.Helper()
 	dir := t.TempDir()
 	p := &pipeline{wire: stage.F32}

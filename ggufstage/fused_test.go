@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ollama/ollama/kvcache"
 	"github.com/ollama/ollama/ml"
@@ -294,4 +295,70 @@ func sliceHeader(t *testing.T, src, dir string, start, end int) (string, *gguf.F
 		t.Fatal(err)
 	}
 	return path, meta
+}
+
+// BenchmarkRowsCells lists the cells that a pass of eight rows attends to,
+// in a cache of 16 sequences of 200 tokens each, placed a row of each at a
+// time as decoding interleaves them: in one look over the cells
+// (rowsCells), and in one look a row, as fused passes did before run 91.
+// The second case reports its time as a multiple of the first's.
+func BenchmarkRowsCells(b *testing.B) {
+	const seqs, tokens, rows = 16, 200, 8
+	p := openSplit(b, storiesPath, []int{0, 5}, Options{Threads: 1, MaxSeqs: seqs, Context: tokens + 8, Device: "cpu"})
+	defer p.close()
+	e := p.stages[0]
+	v, err := newCausalView(e.cache)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ids := make([]stage.SeqID, seqs)
+	for i := range ids {
+		ids[i] = stage.SeqID(i + 1)
+	}
+	p.open(b, ids...)
+	slots := make([]int, seqs)
+	for i, id := range ids {
+		slots[i] = e.slots[id]
+	}
+	pos := make([]int32, seqs)
+	for t := range tokens {
+		for i := range pos {
+			pos[i] = int32(t)
+		}
+		if _, err := v.placeRows(slots, pos, nil); err != nil {
+			b.Fatal(err)
+		}
+	}
+	for i := range pos {
+		pos[i] = tokens
+	}
+	var cells []int32
+	var counts []int
+	var oneLook time.Duration
+	b.Run("one-look", func(b *testing.B) {
+		start := time.Now()
+		for b.Loop() {
+			if cells, counts, err = v.rowsCells(slots[:rows], pos[:rows], cells[:0], counts[:0]); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if len(cells) != rows*tokens {
+			b.Fatalf("%d cells for %d rows of %d tokens", len(cells), rows, tokens)
+		}
+		oneLook = time.Since(start) / time.Duration(b.N)
+	})
+	b.Run("a-look-a-row", func(b *testing.B) {
+		start := time.Now()
+		for b.Loop() {
+			cells = cells[:0]
+			for r := range rows {
+				if cells, counts, err = v.rowsCells(slots[r:r+1], pos[r:r+1], cells, counts[:0]); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		if oneLook > 0 {
+			b.ReportMetric(float64(time.Since(start)/time.Duration(b.N))/float64(oneLook), "×one-look")
+		}
+	})
 }
