@@ -138,6 +138,23 @@ type Output struct {
 	Free func()
 }
 
+// CheckPicks checks an engine's greedy picks for b: asked for (PicksOnly),
+// one per output row, each in a vocabulary of vocab tokens.
+func CheckPicks(picks []int32, b *Batch, vocab int) error {
+	if !b.PicksOnly {
+		return errors.New("engine returned greedy picks unasked")
+	}
+	if len(picks) != len(b.Outputs) {
+		return fmt.Errorf("engine returned %d greedy picks for %d rows", len(picks), len(b.Outputs))
+	}
+	for i, t := range picks {
+		if t < 0 || int(t) >= vocab {
+			return fmt.Errorf("engine's greedy pick %d for row %d is outside the vocabulary of %d", t, i, vocab)
+		}
+	}
+	return nil
+}
+
 // GreedyPick is the greedy pick of one row of logits, the rule an engine
 // that returns Output.Picks must follow: the index of the largest logit,
 // NaN counting as -Inf and +Inf as the largest finite float32, the lowest

@@ -446,7 +446,10 @@ func (l *link) run(step uint64, b *stage.Batch) error {
 	if err := local.Validate(l.s.info); err != nil {
 		return l.bad(step, fmt.Errorf("%w: step %d: %w", wire.ErrBadFrame, step, err))
 	}
-	local.PicksOnly = l.last && l.greedy(b)
+	// Known sequences only, checked above. sample checks the engine's
+	// picks against b's.
+	b.PicksOnly = l.last && l.greedy(b)
+	local.PicksOnly = b.PicksOnly
 	out, err := l.s.cfg.Engine.Forward(l.ctx, &local)
 	if err != nil {
 		if l.ctx.Err() != nil {
@@ -543,11 +546,8 @@ func (l *link) sample(step uint64, b *stage.Batch, out *stage.Output) error {
 // picked sends the engine's greedy picks of b's output rows to the
 // origin as their sampled tokens.
 func (l *link) picked(step uint64, b *stage.Batch, picks []int32) error {
-	if !l.greedy(b) {
-		return l.stepFailed(step, errors.New("engine returned greedy picks for rows that are not sampled greedily"))
-	}
-	if len(picks) != len(b.Outputs) {
-		return l.stepFailed(step, fmt.Errorf("engine returned %d greedy picks for %d output rows", len(picks), len(b.Outputs)))
+	if err := stage.CheckPicks(picks, b, l.s.info.Vocab); err != nil {
+		return l.stepFailed(step, err)
 	}
 	res := &wire.Sampled{
 		Seqs:   make([]stage.SeqID, len(b.Outputs)),
@@ -555,9 +555,6 @@ func (l *link) picked(step uint64, b *stage.Batch, picks []int32) error {
 		Tokens: make([]int32, len(b.Outputs)),
 	}
 	for i, row := range b.Outputs {
-		if t := picks[i]; t < 0 || int(t) >= l.s.info.Vocab {
-			return l.stepFailed(step, fmt.Errorf("engine's greedy pick %d for row %d is outside the vocabulary of %d", t, i, l.s.info.Vocab))
-		}
 		res.Seqs[i], res.Pos[i], res.Tokens[i] = b.Seqs[row], b.Pos[row]+1, picks[i]
 	}
 	f, err := wire.EncodeSampled(step, res)

@@ -84,7 +84,7 @@ func (l *local) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, err
 	defer out.Release()
 	vocab := l.e.Info().Vocab
 	if out.Picks != nil {
-		if err := checkPicks(out.Picks, b, vocab); err != nil {
+		if err := stage.CheckPicks(out.Picks, b, vocab); err != nil {
 			return sample.Picked{}, err
 		}
 		for i, q := range seqs {
@@ -106,23 +106,6 @@ func (l *local) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, err
 		}
 	})
 	return picked, nil
-}
-
-// checkPicks checks an engine's greedy picks: asked for, one per output
-// row, each in the vocabulary.
-func checkPicks(picks []int32, b *stage.Batch, vocab int) error {
-	if !b.PicksOnly {
-		return errors.New("engine returned greedy picks unasked")
-	}
-	if len(picks) != len(b.Outputs) {
-		return fmt.Errorf("engine returned %d greedy picks for %d rows", len(picks), len(b.Outputs))
-	}
-	for i, t := range picks {
-		if t < 0 || int(t) >= vocab {
-			return fmt.Errorf("engine's greedy pick %d for row %d is outside the vocabulary of %d", t, i, vocab)
-		}
-	}
-	return nil
 }
 
 func (l *local) Release(seq stage.SeqID) error {
