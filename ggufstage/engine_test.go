@@ -36,6 +36,25 @@ func (p *pipeline) open(t testing.TB, seqs ...stage.SeqID) {
 
 func (p *pipeline) forward(t *testing.T, b stage.Batch) []float32 {
 	t.Helper()
+	return p.run(t, b).Logits
+}
+
+// forwardPicks runs b through the stages asking the last for greedy picks
+// (Batch.PicksOnly), which it must give.
+func (p *pipeline) forwardPicks(t *testing.T, b stage.Batch) []int32 {
+	t.Helper()
+	b.PicksOnly = true // ignored by all but the last stage
+	out := p.run(t, b)
+	if out.Picks == nil || out.Logits != nil {
+		t.Fatalf("asked for greedy picks, the last stage returned %d picks and %d logits", len(out.Picks), len(out.Logits))
+	}
+	return out.Picks
+}
+
+// run passes b through the stages, each stage's hidden state on to the
+// next in the pipeline's wire type, and returns the last stage's output.
+func (p *pipeline) run(t *testing.T, b stage.Batch) *stage.Output {
+	t.Helper()
 	ctx := context.Background()
 	var hidden *stage.Activation
 	for i, s := range p.stages {
@@ -49,41 +68,13 @@ func (p *pipeline) forward(t *testing.T, b stage.Batch) []float32 {
 			t.Fatalf("stage %s: %v", s.Info().Range(), err)
 		}
 		if i == len(p.stages)-1 {
-			return out.Logits
+			return out
 		}
 		hidden = out.Hidden
 		if p.wire != stage.F32 {
 			f, _ := hidden.Float32()
 			hidden, _ = stage.NewActivation(p.wire, hidden.Rows, hidden.Cols, f)
 		}
-	}
-	return nil
-}
-
-// forwardPicks runs b through the stages asking the last for greedy picks
-// (Batch.PicksOnly), which it must give.
-func (p *pipeline) forwardPicks(t *testing.T, b stage.Batch) []int32 {
-	t.Helper()
-	ctx := context.Background()
-	var hidden *stage.Activation
-	for i, s := range p.stages {
-		sb := b
-		if i > 0 {
-			sb.Tokens, sb.Hidden = nil, hidden
-		}
-		sb.PicksOnly = i == len(p.stages)-1
-		out, err := s.Forward(ctx, &sb)
-		if err != nil {
-			t.Fatalf("stage %s: %v", s.Info().Range(), err)
-		}
-		if i < len(p.stages)-1 {
-			hidden = out.Hidden
-			continue
-		}
-		if out.Picks == nil || out.Logits != nil {
-			t.Fatalf("asked for greedy picks, the last stage returned %d picks and %d logits", len(out.Picks), len(out.Logits))
-		}
-		return out.Picks
 	}
 	return nil
 }
