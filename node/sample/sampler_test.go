@@ -528,13 +528,7 @@ func TestArgmaxFiniteMatchesSanitized(t *testing.T) {
 	specials := []float32{nan, inf, ninf, math.MaxFloat32, 3, 3}
 	for n := 1; n <= 40; n++ {
 		for trial := range 200 {
-			l := make([]float32, n)
-			for i := range l {
-				l[i] = float32(r.IntN(7)) // small integers: many ties
-				if r.IntN(8) == 0 {
-					l[i] = specials[r.IntN(len(specials))]
-				}
-			}
+			l := sprinkled(r, n, 8, specials)
 			clean := make([]float32, n)
 			for i, x := range l {
 				clean[i] = sanitize(x)
@@ -567,13 +561,7 @@ func TestGreedyIsStagePick(t *testing.T) {
 	}
 	for n := 1; n <= 40; n++ {
 		for trial := range 200 {
-			l := make([]float32, n)
-			for i := range l {
-				l[i] = float32(r.IntN(7))
-				if r.IntN(6) == 0 {
-					l[i] = specials[r.IntN(len(specials))]
-				}
-			}
+			l := sprinkled(r, n, 6, specials)
 			if got, want := New(g).Sample(l, history), stage.GreedyPick(l); got != want {
 				t.Fatalf("n=%d trial %d: Sample = %d, stage.GreedyPick = %d, logits %v", n, trial, got, want, l)
 			}
@@ -646,6 +634,19 @@ func TestExpNonPositive(t *testing.T) {
 	t.Logf("worst relative error %.3g", worst)
 }
 
+// sprinkled returns n small integers as logits (many ties), about one in
+// oneIn of them replaced by one of specials.
+func sprinkled(r *rand.Rand, n, oneIn int, specials []float32) []float32 {
+	l := make([]float32, n)
+	for i := range l {
+		l[i] = float32(r.IntN(7))
+		if r.IntN(oneIn) == 0 {
+			l[i] = specials[r.IntN(len(specials))]
+		}
+	}
+	return l
+}
+
 // plainArgmax is the reference argmax: the first index of the largest value.
 func plainArgmax(l []float32) int32 {
 	best := 0
@@ -664,13 +665,7 @@ func TestArgmax(t *testing.T) {
 	specials := []float32{inf, ninf, math.MaxFloat32, 3, 3}
 	for n := 1; n <= 40; n++ {
 		for trial := range 200 {
-			l := make([]float32, n)
-			for i := range l {
-				l[i] = float32(r.IntN(7))
-				if r.IntN(6) == 0 {
-					l[i] = specials[r.IntN(len(specials))]
-				}
-			}
+			l := sprinkled(r, n, 6, specials)
 			if got, want := argmax(l), plainArgmax(l); got != want {
 				t.Fatalf("n=%d trial %d: argmax = %d, want %d, logits %v", n, trial, got, want, l)
 			}
