@@ -2,45 +2,12 @@ package pipeline
 
 import (
 	"context"
-	"sync"
 	"testing"
 
 	"github.com/meshnode/meshnode/node/sample"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
-
-// picker answers a batch that asks for greedy picks with
-// stage.GreedyPick of each output row plus shift, as the fused CUDA path
-// answers with its picks; shift 1 lets a test tell picks from logits.
-type picker struct {
-	stage.Engine
-	shift int32
-	mu    sync.Mutex
-	asked []bool
-}
-
-func (p *picker) Forward(ctx context.Context, b *stage.Batch) (*stage.Output, error) {
-	p.mu.Lock()
-	p.asked = append(p.asked, b.PicksOnly)
-	p.mu.Unlock()
-	out, err := p.Engine.Forward(ctx, b)
-	if err != nil || !b.PicksOnly {
-		return out, err
-	}
-	defer out.Release()
-	vocab := p.Info().Vocab
-	picks := make([]int32, len(b.Outputs))
-	for i := range picks {
-		picks[i] = (stage.GreedyPick(out.LogitsRow(i, vocab)) + p.shift) % int32(vocab)
-	}
-	return &stage.Output{Picks: picks}, nil
-}
-
-func (p *picker) lastAsked() bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.asked[len(p.asked)-1]
-}
 
 // TestLastStageGreedyPicks: the last stage asks its engine for greedy picks
 // when every output row is sampled greedily with no log-probabilities, and
@@ -62,8 +29,8 @@ func TestLastStageGreedyPicks(t *testing.T) {
 	prompt := []int32{1, 403, 407, 261, 378}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			var last *picker
-			wrap := stageOpts{wrap: func(e stage.Engine) stage.Engine { last = &picker{Engine: e, shift: 1}; return last }}
+			var last *stagetest.Picker
+			wrap := stageOpts{wrap: func(e stage.Engine) stage.Engine { last = &stagetest.Picker{Engine: e, Shift: 1}; return last }}
 			m := newMesh(t, []int{0, 2, 5}, engineOpts, stageOpts{}, wrap)
 			p := m.pipeline(t, Config{})
 			if err := p.Open(1, tc.p, prompt); err != nil {
@@ -77,7 +44,7 @@ func TestLastStageGreedyPicks(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := last.lastAsked(); got != tc.picks {
+			if got := last.LastAsked(); got != tc.picks {
 				t.Fatalf("PicksOnly %v, want %v", got, tc.picks)
 			}
 			// The reference: the whole model in one engine, sampled greedily.

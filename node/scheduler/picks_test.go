@@ -8,31 +8,8 @@ import (
 
 	"github.com/meshnode/meshnode/node/sample"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
-
-// picker is an engine that returns greedy picks when a batch asks for them,
-// as the fused CUDA path does: stage.GreedyPick of each output row, plus
-// shift (so that a test can tell picks from sampled logits).
-type picker struct {
-	stage.Engine
-	shift int32
-	asked []bool // Batch.PicksOnly of every pass
-}
-
-func (p *picker) Forward(ctx context.Context, b *stage.Batch) (*stage.Output, error) {
-	p.asked = append(p.asked, b.PicksOnly)
-	out, err := p.Engine.Forward(ctx, b)
-	if err != nil || !b.PicksOnly {
-		return out, err
-	}
-	defer out.Release()
-	vocab := p.Info().Vocab
-	picks := make([]int32, len(b.Outputs))
-	for i := range picks {
-		picks[i] = (stage.GreedyPick(out.LogitsRow(i, vocab)) + p.shift) % int32(vocab)
-	}
-	return &stage.Output{Picks: picks}, nil
-}
 
 // TestLocalGreedyPicks: a batch whose every output row is sampled greedily,
 // with no log-probabilities, asks the engine for greedy picks and takes
@@ -63,7 +40,7 @@ func TestLocalGreedyPicks(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			// shift 1: a pick differs from the logits' greedy token, so the
 			// tokens say which one the pipeline took.
-			eng := &picker{Engine: eng, shift: 1}
+			eng := &stagetest.Picker{Engine: eng, Shift: 1}
 			pipe := Local(eng, nil)
 			b := &stage.Batch{}
 			for i, p := range tc.seqs {
@@ -81,7 +58,7 @@ func TestLocalGreedyPicks(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := eng.asked[len(eng.asked)-1]; got != tc.picks {
+			if got := eng.LastAsked(); got != tc.picks {
 				t.Fatalf("PicksOnly %v, want %v", got, tc.picks)
 			}
 			// The reference: the same batch's logits, sampled greedily.
@@ -179,12 +156,12 @@ func TestGreedyPicksText(t *testing.T) {
 		return text
 	}
 	want := generate(eng)
-	p := &picker{Engine: eng}
+	p := &stagetest.Picker{Engine: eng}
 	got := generate(p)
 	if got != want {
 		t.Errorf("with greedy picks %q, with logits %q", got, want)
 	}
-	if !slices.Contains(p.asked, true) {
+	if !slices.Contains(p.Asked(), true) {
 		t.Error("no pass asked for greedy picks")
 	}
 	if len(want) < 40 {
