@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
+	"unsafe"
 )
 
 // DType is the element type of an activation on the wire.
@@ -113,17 +115,19 @@ func Encode(dtype DType, f []float32, dst []byte) ([]byte, error) {
 	if size == 0 {
 		return nil, fmt.Errorf("stage: cannot encode dtype %d", uint8(dtype))
 	}
-	dst = append(dst, make([]byte, len(f)*size)...)
+	dst = slices.Grow(dst, len(f)*size)[:n+len(f)*size]
 	out := dst[n:]
 	switch dtype {
 	case F32:
+		if littleEndian {
+			copy(out, floatBytes(f))
+			break
+		}
 		for i, v := range f {
 			binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(v))
 		}
 	case F16:
-		for i, v := range f {
-			binary.LittleEndian.PutUint16(out[2*i:], Float32ToF16(v))
-		}
+		encodeF16(out, f)
 	case BF16:
 		for i, v := range f {
 			binary.LittleEndian.PutUint16(out[2*i:], Float32ToBF16(v))
@@ -143,23 +147,71 @@ func Decode(dtype DType, data []byte, dst []float32) ([]float32, error) {
 	}
 	n := len(data) / size
 	base := len(dst)
-	dst = append(dst, make([]float32, n)...)
+	dst = slices.Grow(dst, n)[:base+n]
 	out := dst[base:]
 	switch dtype {
 	case F32:
+		if littleEndian {
+			copy(floatBytes(out), data)
+			break
+		}
 		for i := range out {
 			out[i] = math.Float32frombits(binary.LittleEndian.Uint32(data[4*i:]))
 		}
 	case F16:
-		for i := range out {
-			out[i] = F16ToFloat32(binary.LittleEndian.Uint16(data[2*i:]))
-		}
+		decodeF16(out, data)
 	case BF16:
 		for i := range out {
 			out[i] = BF16ToFloat32(binary.LittleEndian.Uint16(data[2*i:]))
 		}
 	}
 	return dst, nil
+}
+
+// littleEndian says the host lays a float32 out as F32 does on the wire,
+// so that F32 crosses with one copy each way instead of a loop over its
+// elements (16 rows of an 8B model's hidden state: 67 -> 6 us on a 2-core
+// machine; at 32 streams on two H200s the loops took 3% of each node's CPU
+// time, most of it for prefill, run 102).
+var littleEndian = binary.NativeEndian.Uint16([]byte{1, 0}) == 1
+
+// floatBytes is f's memory as bytes.
+func floatBytes(f []float32) []byte {
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(f))), 4*len(f))
+}
+
+// encodeF16 writes f as F16 into out (2 bytes each). A value whose half is
+// normal takes one add to round (to nearest even, its carry moving into the
+// exponent and up to Inf as Float32ToF16's does); the rest take
+// Float32ToF16.
+func encodeF16(out []byte, f []float32) {
+	out = out[:2*len(f)]
+	for i, v := range f {
+		b := math.Float32bits(v)
+		var h uint16
+		if e := b >> 23 & 0xff; e-113 <= 142-113 { // exponents -14..15: e-113 wraps below 113
+			r := b&0x7fffffff - 112<<23
+			r += 0xfff + r>>13&1
+			h = uint16(b>>16)&0x8000 | uint16(r>>13)
+		} else {
+			h = Float32ToF16(v)
+		}
+		out[2*i], out[2*i+1] = byte(h), byte(h>>8)
+	}
+}
+
+// decodeF16 writes the values of data (F16) into out: a normal half is
+// rebiased in place, the rest take F16ToFloat32.
+func decodeF16(out []float32, data []byte) {
+	data = data[:2*len(out)]
+	for i := range out {
+		h := uint32(data[2*i]) | uint32(data[2*i+1])<<8
+		if e := h & 0x7c00; e != 0 && e != 0x7c00 {
+			out[i] = math.Float32frombits(h&0x8000<<16 | (h&0x7fff+112<<10)<<13)
+		} else {
+			out[i] = F16ToFloat32(uint16(h))
+		}
+	}
 }
 
 // Float32ToBF16 rounds to nearest even; NaN stays NaN.

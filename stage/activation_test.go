@@ -1,6 +1,7 @@
 package stage
 
 import (
+	"encoding/binary"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -334,6 +335,79 @@ func TestCodecRoundTrip(t *testing.T) {
 	}
 }
 
+// TestCodecF16Loops checks Encode and Decode's F16 loops, whose normal
+// values skip Float32ToF16 and F16ToFloat32, against those functions bit
+// for bit: every half; and every float32 exponent and sign, with every top
+// ten mantissa bits (the half's mantissa, which a rounding carry runs
+// through) and low thirteen bits below, at, and above the halfway point.
+func TestCodecF16Loops(t *testing.T) {
+	halves := make([]byte, 2<<16)
+	for i := range 1 << 16 {
+		binary.LittleEndian.PutUint16(halves[2*i:], uint16(i))
+	}
+	got, err := Decode(F16, halves, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, f := range got {
+		if want := F16ToFloat32(uint16(i)); math.Float32bits(f) != math.Float32bits(want) {
+			t.Fatalf("Decode of half %#04x: %#08x, want %#08x", i, math.Float32bits(f), math.Float32bits(want))
+		}
+	}
+
+	var in []float32
+	for sign := range uint32(2) {
+		for e := range uint32(256) {
+			for top := range uint32(1 << 10) {
+				for _, low := range []uint32{0, 1, 0x0fff, 0x1000, 0x1001, 0x1fff} {
+					in = append(in, math.Float32frombits(sign<<31|e<<23|top<<13|low))
+				}
+			}
+		}
+	}
+	data, err := Encode(F16, in, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, f := range in {
+		got, want := binary.LittleEndian.Uint16(data[2*i:]), Float32ToF16(f)
+		if got != want {
+			t.Fatalf("Encode of %#08x: %#04x, want %#04x", math.Float32bits(f), got, want)
+		}
+	}
+}
+
+// TestCodecF32Bits: F32 crosses bit for bit, NaN payloads and signed zeros
+// included, into a buffer with room to spare and one without.
+func TestCodecF32Bits(t *testing.T) {
+	bits := []uint32{0, 0x80000000, 0x7fc00001, 0xffbfffff, 0x7f800000, 0x00000001, 0x3f800000, 0xc2f6e979}
+	in := make([]float32, len(bits))
+	for i, b := range bits {
+		in[i] = math.Float32frombits(b)
+	}
+	for _, dst := range [][]byte{nil, make([]byte, 3, 64)} {
+		data, err := Encode(F32, in, dst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		data = data[len(dst):]
+		for i, b := range bits {
+			if got := binary.LittleEndian.Uint32(data[4*i:]); got != b {
+				t.Fatalf("Encode of %#08x wrote %#08x", b, got)
+			}
+		}
+		out, err := Decode(F32, data, make([]float32, 1, 2))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, b := range bits {
+			if got := math.Float32bits(out[1+i]); got != b {
+				t.Fatalf("Decode of %#08x gave %#08x", b, got)
+			}
+		}
+	}
+}
+
 func TestCodecErrors(t *testing.T) {
 	if _, err := Encode(DType(9), []float32{1}, nil); err == nil {
 		t.Error("Encode with an unknown dtype succeeded")
@@ -428,5 +502,32 @@ func TestActivationValidate(t *testing.T) {
 	at := Activation{DType: F16, Rows: 1 << 29, Cols: 1}
 	if err := at.Validate(); err == nil || !strings.Contains(err.Error(), "payload has 0") {
 		t.Errorf("activation of exactly MaxActivationBytes: %v", err)
+	}
+}
+
+// BenchmarkCodec encodes and decodes 16 rows of an 8B model's hidden state
+// (a 16-row micro-batch's hop), as a stage does on either side of it.
+func BenchmarkCodec(b *testing.B) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	in := make([]float32, 16*4096)
+	for i := range in {
+		in[i] = float32(rng.NormFloat64())
+	}
+	for _, dt := range []DType{F32, F16, BF16} {
+		data, _ := Encode(dt, in, nil)
+		b.Run("encode/"+dt.String(), func(b *testing.B) {
+			b.SetBytes(int64(4 * len(in)))
+			buf := make([]byte, 0, len(data))
+			for b.Loop() {
+				buf, _ = Encode(dt, in, buf[:0])
+			}
+		})
+		b.Run("decode/"+dt.String(), func(b *testing.B) {
+			b.SetBytes(int64(4 * len(in)))
+			out := make([]float32, 0, len(in))
+			for b.Loop() {
+				out, _ = Decode(dt, data, out[:0])
+			}
+		})
 	}
 }
