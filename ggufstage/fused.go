@@ -253,6 +253,7 @@ type causalView struct {
 
 	lo, hi []int     // rowsCells': each row's cell range, reused
 	byRow  [][]int32 // rowsCells': each row's cells, reused
+	rowOf  []int32   // rowsCells': 1 + the row of each slot in the pass, 0 for none; all 0 between calls
 }
 
 type causalCell struct {
@@ -341,13 +342,37 @@ func (v *causalView) layerKV(i int) (k, val ml.Tensor) {
 // own: those its slot holds at positions before pos[r], ascending, one row
 // after another; and each row's count to counts. It looks over
 // the cells once, not once a row: with many sequences in the cache, each
-// sequence's cells spread over most of it.
+// sequence's cells spread over most of it. A cell's sequences lead to
+// their rows through rowOf, so that a cell costs the same at one row and
+// at eight (BenchmarkRowsCells, eight rows among 3200 cells: 78 -> 14 us).
 func (v *causalView) rowsCells(seqs []int, pos []int32, into []int32, counts []int) ([]int32, []int, error) {
 	cells := *v.cells
 	if cap(v.lo) < len(seqs) {
 		v.lo, v.hi, v.byRow = make([]int, len(seqs)), make([]int, len(seqs)), make([][]int32, len(seqs))
 	}
 	lo, hi, byRow := v.lo[:len(seqs)], v.hi[:len(seqs)], v.byRow[:len(seqs)]
+	last := -1 // the largest slot
+	for _, seq := range seqs {
+		if seq < 0 {
+			return into, counts, fmt.Errorf("cache slot %d in a pass", seq)
+		}
+		last = max(last, seq)
+	}
+	if len(v.rowOf) <= last {
+		v.rowOf = append(v.rowOf, make([]int32, last+1-len(v.rowOf))...)
+	}
+	rowOf := v.rowOf
+	defer func() {
+		for _, seq := range seqs {
+			rowOf[seq] = 0
+		}
+	}()
+	for r, seq := range seqs {
+		if rowOf[seq] != 0 {
+			return into, counts, fmt.Errorf("cache slot %d twice in a pass", seq)
+		}
+		rowOf[seq] = int32(r + 1)
+	}
 	from, to := len(cells), -1
 	for r, seq := range seqs {
 		rng := v.ranges.MapIndex(reflect.ValueOf(seq))
@@ -363,11 +388,11 @@ func (v *causalView) rowsCells(seqs []int, pos []int32, into []int32, counts []i
 	}
 	for i := from; i <= to; i++ {
 		c := &cells[i]
-		if len(c.sequences) == 0 {
-			continue
-		}
-		for r, seq := range seqs {
-			if i >= lo[r] && i <= hi[r] && c.pos < pos[r] && slices.Contains(c.sequences, seq) {
+		for _, seq := range c.sequences {
+			if seq < 0 || seq > last {
+				continue
+			}
+			if r := rowOf[seq] - 1; r >= 0 && i >= lo[r] && i <= hi[r] && c.pos < pos[r] {
 				byRow[r] = append(byRow[r], int32(i))
 			}
 		}

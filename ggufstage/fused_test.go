@@ -118,6 +118,99 @@ func TestCausalViewPlace(t *testing.T) {
 	}
 }
 
+// TestRowsCells lists the cells of passes of up to four rows in a cache
+// where four sequences interleave and two share a prefix (ollama's
+// CopyPrefix puts both in the prefix's cells), against a look at every
+// cell for every row; and refuses slots that are negative, repeated or
+// hold no cells.
+func TestRowsCells(t *testing.T) {
+	p := openSplit(t, storiesPath, []int{0, 5}, Options{Threads: 1, MaxSeqs: 5, Context: 40, Device: "cpu"})
+	defer p.close()
+	e := p.stages[0]
+	v, err := newCausalView(e.cache)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.open(t, 1, 2, 3, 4, 5)
+	slot := func(id stage.SeqID) int { return e.slots[id] }
+	// Sequences 1-3 decode interleaved for 6 steps; 4 then takes 1's first
+	// 4 positions as its own and goes on from there; 5 holds no cells.
+	for step := range int32(6) {
+		if _, err := v.placeRows([]int{slot(1), slot(2), slot(3)}, []int32{step, step, step}, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.cache.(*kvcache.Causal).CopyPrefix(slot(1), slot(4), 4)
+	shared := 0
+	for _, c := range *v.cells {
+		if len(c.sequences) > 1 {
+			shared++
+		}
+	}
+	if shared != 4 {
+		t.Fatalf("%d cells shared after copying a prefix of 4", shared)
+	}
+	for step := int32(4); step < 7; step++ {
+		if _, err := v.placeRows([]int{slot(4), slot(2)}, []int32{step, step + 2}, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	brute := func(seqs []int, pos []int32) (want []int32, counts []int) {
+		for r, seq := range seqs {
+			n := 0
+			for i, c := range *v.cells {
+				if c.pos < pos[r] && slices.Contains(c.sequences, seq) {
+					want, n = append(want, int32(i)), n+1
+				}
+			}
+			counts = append(counts, n)
+		}
+		return want, counts
+	}
+	tests := []struct {
+		name string
+		ids  []stage.SeqID
+		pos  []int32
+		bad  string // the error's text, if the pass is refused
+	}{
+		{"one row", []stage.SeqID{2}, []int32{5}, ""},
+		{"the prefix's owner", []stage.SeqID{1}, []int32{6}, ""},
+		{"the prefix's sharer", []stage.SeqID{4}, []int32{7}, ""},
+		{"four rows", []stage.SeqID{4, 3, 1, 2}, []int32{7, 6, 6, 9}, ""},
+		{"early positions", []stage.SeqID{1, 4}, []int32{2, 3}, ""},
+		{"position 0", []stage.SeqID{3}, []int32{0}, ""},
+		{"a slot twice", []stage.SeqID{2, 2}, []int32{5, 5}, "twice"},
+		{"a slot with no cells", []stage.SeqID{1, 5}, []int32{6, 0}, "holds no cells"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var seqs []int
+			for _, id := range tc.ids {
+				seqs = append(seqs, slot(id))
+			}
+			got, counts, err := v.rowsCells(seqs, tc.pos, []int32{-1}, nil)
+			if tc.bad != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.bad) {
+					t.Fatalf("error %v, want one saying %q", err, tc.bad)
+				}
+				return
+			}
+			want, wantCounts := brute(seqs, tc.pos)
+			if err != nil || !slices.Equal(got, append([]int32{-1}, want...)) || !slices.Equal(counts, wantCounts) {
+				t.Fatalf("cells %v, counts %v (%v); want %v, %v", got[1:], counts, err, want, wantCounts)
+			}
+		})
+	}
+	if _, _, err := v.rowsCells([]int{-1}, []int32{1}, nil, nil); err == nil {
+		t.Fatal("a negative slot was taken")
+	}
+	// A refused pass leaves no slot marked: the next pass lists its cells.
+	want, wantCounts := brute([]int{slot(2)}, []int32{5})
+	if got, counts, err := v.rowsCells([]int{slot(2)}, []int32{5}, nil, nil); err != nil || !slices.Equal(got, want) || !slices.Equal(counts, wantCounts) {
+		t.Fatalf("after refused passes: cells %v, counts %v (%v); want %v, %v", got, counts, err, want, wantCounts)
+	}
+}
+
 // TestFusedTakes: the fused path takes decode passes (each row a sequence
 // of its own) and, on the last stage, only passes that want every row's
 // logits; a prefill chunk (one sequence, several rows) goes to ggml.
