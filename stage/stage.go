@@ -163,22 +163,26 @@ func GreedyPick(logits []float32) int32 {
 	if len(logits) == 0 {
 		return -1
 	}
-	clean := func(x float32) float32 {
-		switch {
-		case x != x:
-			return float32(math.Inf(-1))
-		case x > math.MaxFloat32:
-			return math.MaxFloat32
-		}
-		return x
-	}
-	best, v := 0, clean(logits[0])
+	best, v := 0, SanitizeLogit(logits[0])
 	for i, x := range logits[1:] {
-		if c := clean(x); c > v {
+		if c := SanitizeLogit(x); c > v {
 			best, v = i+1, c
 		}
 	}
 	return int32(best)
+}
+
+// SanitizeLogit makes NaN the lowest logit and +Inf the highest finite one:
+// the order GreedyPick and node/sample's samplers rank logits in, and
+// softmax then never computes Inf-Inf.
+func SanitizeLogit(x float32) float32 {
+	switch {
+	case x != x:
+		return float32(math.Inf(-1))
+	case x > math.MaxFloat32:
+		return math.MaxFloat32
+	}
+	return x
 }
 
 // LogitsRow returns row i of the logits.

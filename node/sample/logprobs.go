@@ -3,6 +3,8 @@ package sample
 import (
 	"math"
 	"slices"
+
+	"github.com/meshnode/meshnode/stage"
 )
 
 // MaxTopLogprobs is the most alternatives a token's log-probability may
@@ -43,7 +45,7 @@ func LogprobOf(logits []float32, tok int32, top int) Logprob {
 	}
 	maxLogit := math.Inf(-1)
 	for _, x := range logits {
-		maxLogit = max(maxLogit, float64(sanitize(x)))
+		maxLogit = max(maxLogit, float64(stage.SanitizeLogit(x)))
 	}
 	if math.IsInf(maxLogit, -1) {
 		// Nothing has any mass: every token is impossible alike.
@@ -55,10 +57,10 @@ func LogprobOf(logits []float32, tok int32, top int) Logprob {
 	}
 	sum := 0.0
 	for _, x := range logits {
-		sum += expNonPositive(float64(sanitize(x)) - maxLogit)
+		sum += expNonPositive(float64(stage.SanitizeLogit(x)) - maxLogit)
 	}
 	logZ := maxLogit + math.Log(sum) // sum >= 1: the maximum adds exp(0)
-	of := func(x float32) float32 { return float32(min(float64(sanitize(x))-logZ, 0)) }
+	of := func(x float32) float32 { return float32(min(float64(stage.SanitizeLogit(x))-logZ, 0)) }
 	lp := Logprob{Logprob: of(logits[tok])}
 	if top <= 0 {
 		return lp
@@ -76,7 +78,7 @@ func LogprobOf(logits []float32, tok int32, top int) Logprob {
 func topN(logits []float32, n int) []cand {
 	best := make([]cand, 0, n+1)
 	for i, x := range logits {
-		c := cand{id: int32(i), logit: sanitize(x)}
+		c := cand{id: int32(i), logit: stage.SanitizeLogit(x)}
 		if len(best) == n && !better(c, best[n-1]) {
 			continue
 		}

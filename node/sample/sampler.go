@@ -5,6 +5,8 @@ import (
 	"math/rand/v2"
 	"slices"
 	"sync"
+
+	"github.com/meshnode/meshnode/stage"
 )
 
 // Sampler draws tokens for one sequence. It keeps scratch space between
@@ -115,7 +117,7 @@ func (s *Sampler) candidates(logits []float32, history []int32) ([]cand, int32, 
 	}
 	l := s.logits[:n]
 	for i, x := range logits {
-		l[i] = sanitize(x)
+		l[i] = stage.SanitizeLogit(x)
 	}
 	s.penalize(l, history)
 	if s.json != nil {
@@ -156,9 +158,9 @@ func (s *Sampler) candidates(logits []float32, history []int32) ([]cand, int32, 
 // takes three (BenchmarkSample/plain).
 func (s *Sampler) wholeVocabulary(logits []float32) ([]cand, int32, float64) {
 	cs := s.cands[:len(logits)]
-	top, best := 0, sanitize(logits[0])
+	top, best := 0, stage.SanitizeLogit(logits[0])
 	for i, x := range logits {
-		x = sanitize(x)
+		x = stage.SanitizeLogit(x)
 		cs[i] = cand{id: int32(i), logit: x}
 		if x > best {
 			top, best = i, x
@@ -487,20 +489,8 @@ func (s *Sampler) penalize(l []float32, history []int32) {
 			}
 		}
 		v -= float32(float32(c)*fp) + pp // no fused multiply-add: same bits everywhere
-		l[t] = sanitize(v)
+		l[t] = stage.SanitizeLogit(v)
 	}
-}
-
-// sanitize makes NaN the lowest logit and +Inf the highest finite one, so
-// softmax never computes Inf-Inf.
-func sanitize(x float32) float32 {
-	switch {
-	case x != x:
-		return float32(math.Inf(-1))
-	case x > math.MaxFloat32:
-		return math.MaxFloat32
-	}
-	return x
 }
 
 // argmax returns the index of the largest of logits without NaN, the
@@ -524,7 +514,7 @@ func argmax(l []float32) int32 {
 // never wins, ties go to the lowest index. Four lanes, each keeping its
 // first maximum, break the compare chain; merging them by value, then by
 // index, gives the first maximum overall. It gives up (false) when the
-// maximum is +Inf, which sanitize would tie with MaxFloat32.
+// maximum is +Inf, which stage.SanitizeLogit would tie with MaxFloat32.
 func argmaxFinite(l []float32) (int32, bool) {
 	ninf := float32(math.Inf(-1))
 	var best [4]float32
