@@ -46,6 +46,14 @@ constexpr int kParams = 5;
 // the 8B model took 3.8 times one row's (run 76), not eight.
 constexpr int kMaxRows = 8;
 constexpr int kRed = 64; // floats of the norms' reduction space in shared memory
+// gemvMMA holds its whole input in shared memory: eight rows of up to
+// 16384 columns fit beside its stages in an H100's or H200's 227 KB a
+// block. Longer rows (a 32B model's down projection: 27648) are taken in
+// two launches of half the columns each, so that its passes still take
+// eight rows, where they took four (see GemvArgs.kParts). The split
+// depends on the matrix alone, so a row's sums do not depend on the rows
+// beside it.
+constexpr int kSplitK = 16384;
 
 constexpr int kQ4Bytes = 18;   // Q4_0: f16 scale, 16 bytes of nibbles, 32 weights
 constexpr int kQ6Bytes = 210;  // Q6_K: 128 ql, 64 qh, 16 scales, f16 d; 256 weights
@@ -102,6 +110,15 @@ struct GemvArgs {
 	int xdsRow;  // its scales' float2s from one row to the next
 	int xStride, yStride; // floats from one row of x, y to the next
 	uint8_t *img; // gemvMMA: the quantized input as quantizeImage wrote it (xq's rows, then xds's)
+	// gemvMMA of a matrix of more than kSplitK columns runs as kParts (2)
+	// launches, each over super-blocks [kb0, kb0+kbn) of every row with
+	// that share of the input in shared memory, rows sxqRow and sxdsRow
+	// apart there: the first stores its sums to partOut, the second adds
+	// them (partIn) before the epilogue.
+	int kParts, kb0, kbn;
+	int sxqRow, sxdsRow;
+	float *partOut;
+	const float *partIn;
 	int debug; // mf_profile: 1 skips the input's quantization (gemvMMA: its copy), 2 the dot products
 };
 
@@ -693,8 +710,8 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	const int g = lane >> 2, q = lane & 3; // the mma's groupID and thread in group
 	uint8_t *stages = smem + warp * kMmaStages * kStageBytes;
 	int8_t *xq = reinterpret_cast<int8_t *>(smem + kWarps * kMmaStages * kStageBytes);
-	float2 *xds = reinterpret_cast<float2 *>(xq + a.rowsCap * a.xqRow);
-	float *red = reinterpret_cast<float *>(xds + a.rowsCap * a.xdsRow);
+	float2 *xds = reinterpret_cast<float2 *>(xq + a.rowsCap * a.sxqRow);
+	float *red = reinterpret_cast<float *>(xds + a.rowsCap * a.sxdsRow);
 	float4 *part = reinterpret_cast<float4 *>(red + kRed); // [kWarps][32]: each warp's share of a unit
 
 	// A block takes units of 16 matrix rows; its warps share each unit's
@@ -703,7 +720,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	// unit left most warps idle (a matrix of 4096 rows is 256 units): QKV,
 	// O and down ran at 220-410 GB/s (run 72). Copying two super-blocks a
 	// step, or keeping six steps in flight, changed nothing (run 75).
-	const int S = a.k / 256; // steps a unit takes
+	const int S = a.kbn; // steps a unit takes: its super-blocks from kb0
 	const int s0 = warp * S / kWarps, per = (warp + 1) * S / kWarps - s0;
 	const int units = (a.total + kMmaRows - 1) / kMmaRows;
 	const int nu = (int)blockIdx.x < units ? (units - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
@@ -718,7 +735,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 				if (c < kMmaRows * kPieces) {
 					const int row = c / kPieces, piece = c % kPieces;
 					const int v = min(unit * kMmaRows + row, a.total - 1);
-					const uint8_t *src = rowPtr(a, v) + (size_t)sb * (kQ6 ? kQ6Bytes : 8 * kQ4Bytes);
+					const uint8_t *src = rowPtr(a, v) + (size_t)(a.kb0 + sb) * (kQ6 ? kQ6Bytes : 8 * kQ4Bytes);
 					// Q6_K: from the aligned piece that holds its first byte. A
 					// piece holding any of a row's bytes lies on that row's
 					// allocation's pages, so the bytes read past its end are
@@ -736,9 +753,20 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	for (int k = 0; k < kMmaStages - 1; k++) issue(k);
 	pdlLaunchNext();
 	pdlWait();
-	if (!(a.debug & 1)) {
+	if (!(a.debug & 1) && a.kParts == 1) {
 		const int n16 = (int)(imageBytes(a) / 16);
 		for (int i = threadIdx.x; i < n16; i += THREADS) cpAsync16(reinterpret_cast<uint8_t *>(xq) + 16 * i, a.img + 16 * i);
+	} else if (!(a.debug & 1)) { // the launch's share of each row: kbn super-blocks of bytes, then of float2 scales
+		const int q16 = a.kbn * 16, d16 = a.kbn * 4;
+		const uint8_t *ds = a.img + (size_t)a.rowsCap * a.xqRow;
+		for (int i = threadIdx.x; i < a.nrows * q16; i += THREADS) {
+			const int r = i / q16, c = i % q16;
+			cpAsync16(reinterpret_cast<uint8_t *>(xq) + r * a.sxqRow + 16 * c, a.img + (size_t)r * a.xqRow + 256 * a.kb0 + 16 * c);
+		}
+		for (int i = threadIdx.x; i < a.nrows * d16; i += THREADS) {
+			const int r = i / d16, c = i % d16;
+			cpAsync16(reinterpret_cast<uint8_t *>(xds + r * a.sxdsRow) + 16 * c, ds + (size_t)r * a.xdsRow * sizeof(float2) + 64 * a.kb0 + 16 * c);
+		}
 	}
 	cpAsyncCommit();
 	cpAsyncWait<0>();
@@ -748,8 +776,8 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	// Columns past the pass's rows compute on its last row and are never
 	// stored: each column's sums are its own.
 	const int last = a.nrows - 1;
-	const int8_t *xg = xq + min(g, last) * a.xqRow + 4 * q; // rows a.xqRow apart: the eight rows' words in different banks
-	const float2 *xd0 = xds + min(2 * q, last) * a.xdsRow, *xd1 = xds + min(2 * q + 1, last) * a.xdsRow;
+	const int8_t *xg = xq + min(g, last) * a.sxqRow + 4 * q; // rows a.sxqRow apart: the eight rows' words in different banks
+	const float2 *xd0 = xds + min(2 * q, last) * a.sxdsRow, *xd1 = xds + min(2 * q + 1, last) * a.sxdsRow;
 	for (int u = 0; u < nu; u++) {
 		float acc[4] = {0.f, 0.f, 0.f, 0.f}; // rows g, g+8 of the unit × input rows 2q, 2q+1
 		// Q6_K: where rows g and g+8 start in their stage rows, less the
@@ -769,8 +797,8 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 			const int sb = s0 + j;
 			if constexpr (kQ6) {
 				if (!(a.debug & 2)) {
-					const uint8_t *w0 = st + g * kRowBytes + ((off0 + sb * kQ6Bytes) & 15);
-					const uint8_t *w1 = st + (g + 8) * kRowBytes + ((off1 + sb * kQ6Bytes) & 15);
+					const uint8_t *w0 = st + g * kRowBytes + ((off0 + (a.kb0 + sb) * kQ6Bytes) & 15);
+					const uint8_t *w1 = st + (g + 8) * kRowBytes + ((off1 + (a.kb0 + sb) * kQ6Bytes) & 15);
 					dotQ6MMA(w0, w1, q, xg + 256 * sb, xd0 + 8 * sb, xd1 + 8 * sb, acc);
 				}
 			} else {
@@ -813,7 +841,13 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 #pragma unroll
 				for (int jj = 0; jj < 2; jj++) {
 					const int n = 2 * q + jj;
-					const float r = sum[2 * hh + jj];
+					float r = sum[2 * hh + jj];
+					const bool in = n < a.nrows && v < a.total;
+					if (a.partOut) { // the first of kParts launches: the sums wait for the second
+						if (in) a.partOut[(size_t)n * a.total + v] = r;
+						continue;
+					}
+					if (a.partIn && in) r = a.partIn[(size_t)n * a.total + v] + r;
 					float *y = a.y + (size_t)n * a.yStride;
 					if (a.epi == kSwiGLU) {
 						const float up = __shfl_down_sync(0xffffffffu, r, 4); // row v+1: lane + 4
@@ -1348,6 +1382,7 @@ struct mf_engine {
 	int maxRows = 1;
 	float *x = nullptr, *qkv = nullptr, *att = nullptr, *act = nullptr, *logits = nullptr, *part = nullptr;
 	uint8_t *img = nullptr; // GemvArgs.img
+	float *kpart = nullptr; // GemvArgs.partOut: the first half's sums of a matrix taken in two launches
 	int *counter = nullptr, *params = nullptr;
 	int *hostParams = nullptr; // pinned
 	float *hostIO = nullptr;   // pinned: hidden in, and out
@@ -1434,11 +1469,16 @@ void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1)
 	a.threads = type == MF_Q6_K || k > 8192 ? kWideThreads : kThreads;
 	if (threads && type == MF_Q4_0) a.threads = threads; // the Q6_K head has only the wide kernel
 	if (a.mma) a.threads = kThreads, a.stageBytes = type == MF_Q6_K ? kMma6StageBytes : kMmaStageBytes;
+	a.kParts = a.mma && k > kSplitK ? 2 : 1;
+	a.kb0 = 0, a.kbn = a.spr;
+	const int most = a.spr - a.spr / a.kParts * (a.kParts - 1); // the first launch's super-blocks, the most
+	a.sxqRow = a.mma ? 256 * most + 16 : a.xqRow;
+	a.sxdsRow = a.mma ? 8 * most + 2 : a.xdsRow;
 }
 
 size_t gemvSmem(const GemvArgs &a) {
 	return (size_t)(a.threads / 32) * (a.mma ? kMmaStages * a.stageBytes + 32 * sizeof(float4) : 2 * a.stageBytes) +
-	       (size_t)a.rowsCap * (a.xqRow + a.xdsRow * sizeof(float2)) + kRed * sizeof(float) +
+	       (size_t)a.rowsCap * (a.sxqRow + a.sxdsRow * sizeof(float2)) + kRed * sizeof(float) +
 	       (a.norm && !a.normDirect && !a.mma ? (size_t)a.k * sizeof(float) : 0); // gemvMMA's norm is quantizeImage's
 }
 
@@ -1521,7 +1561,16 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 		fitShape(most, e->smemSM, e->smemOptin);
 		smem = std::max(smem, gemvSmem(most));
 	}
-	launch(e, gemvFor(a), e->sms * blocksPerSM(a, e->smemSM), a.threads, smem, a);
+	const int grid = e->sms * blocksPerSM(a, e->smemSM);
+	if (a.kParts == 2) {
+		GemvArgs p = a;
+		p.kbn = a.spr - a.spr / 2, p.partOut = e->kpart;
+		launch(e, gemvFor(p), grid, p.threads, smem, p);
+		p.kb0 = p.kbn, p.kbn = a.spr / 2, p.partOut = nullptr, p.partIn = e->kpart;
+		launch(e, gemvFor(p), grid, p.threads, smem, p);
+		return;
+	}
+	launch(e, gemvFor(a), grid, a.threads, smem, a);
 }
 
 void launchAttention(mf_engine *e, const mf_layer &L, int nrows) {
@@ -1749,6 +1798,12 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 			img = std::max(img, imageBytes(a));
 		}
 		CE(cudaMalloc(&e->img, img));
+		// Sums of the matrices that gemvMMA takes in two launches: their
+		// rows, by the columns they have.
+		size_t kpart = 0;
+		if (c.embd > kSplitK) kpart = std::max<size_t>({kpart, (size_t)qd + 2 * kvd, 2 * (size_t)c.ffn, e->last ? (size_t)c.vocab : 0});
+		if (qd > kSplitK || c.ffn > kSplitK) kpart = std::max<size_t>(kpart, c.embd);
+		if (kpart) CE(cudaMalloc(&e->kpart, sizeof(float) * R * kpart));
 	}
 	CE(cudaMemset(e->counter, 0, sizeof(int) * R * c.n_head));
 	CE(cudaMalloc(&e->params, sizeof(int) * (R * kParams + (size_t)R * c.cells)));
@@ -1965,7 +2020,7 @@ extern "C" void mf_destroy(mf_engine *e) {
 	for (cudaGraphExec_t x : e->exec)
 		if (x) cudaGraphExecDestroy(x);
 	cudaFree(e->x), cudaFree(e->qkv), cudaFree(e->att), cudaFree(e->act), cudaFree(e->logits);
-	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->params), cudaFree(e->img), cudaFree(e->picks);
+	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->params), cudaFree(e->img), cudaFree(e->picks), cudaFree(e->kpart);
 	if (e->hostParams) cudaFreeHost(e->hostParams);
 	if (e->hostPicks) cudaFreeHost(e->hostPicks);
 	if (e->hostIO) cudaFreeHost(e->hostIO);

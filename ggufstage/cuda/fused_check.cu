@@ -11,6 +11,8 @@
 //   fused_check bench   an 8B-class llama (Q4_0, Q6_K head): copy bandwidth,
 //                       each mat-vec's bandwidth, and whole decode steps
 //                       against the floor of model bytes ÷ copy bandwidth.
+//   fused_check bench32 the same for a 32B-class model (64 layers of 5120,
+//                       n_ff 27648).
 //
 // Built and run by deploy/gpu/build-cuda.sh --check (on the GPU machine).
 #include "fused.h"
@@ -401,9 +403,9 @@ static void stepRows(mf_engine *e, int rows, const int *toks, const float *hidde
 // with the same argmax. The one-row kernels sum in another order; their
 // last-bit differences in q, k and v round a few cached f16 K and V values
 // the other way, which moves the logits by up to about 2e-3 (run 74).
-static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char *rowsSplits = nullptr) {
+static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char *rowsSplits = nullptr, int ffn = 5632) {
 	if (rowsSplits) setenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS", rowsSplits, 1);
-	const int ffn = 5632, vocab = 3000, cells = 1024, nLayer = 2;
+	const int vocab = 3000, cells = 1024, nLayer = 2;
 	Model m = makeModel(nLayer, embd, nHead, nKV, hd, ffn, vocab, cells);
 	DeviceModel d = uploadModel(m);
 	std::vector<int> perm(cells);
@@ -484,8 +486,8 @@ static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char 
 		byRow += buf;
 	}
 	const bool ok = rows <= maxRows && splitDiffer == 0 && orderDiffer == 0 && nan == 0 && rel < 5e-3 && argDiffer == 0 && pickDiffer == 0;
-	printf("check rows n_embd %d, heads %d/%d of %d: %d rows (at most %d) in one pass: split differs in %d, reverse order in %d; against each row alone rel err %.1e, argmax differs in %d rows; greedy picks differ in %d; nonfinite %d: %s\n    by row, first layer/logits:%s\n",
-	       embd, nHead, nKV, hd, rows, maxRows, splitDiffer, orderDiffer, rel, argDiffer, pickDiffer, nan, ok ? "ok" : "FAIL", byRow.c_str());
+	printf("check rows n_embd %d, heads %d/%d of %d, n_ff %d: %d rows (at most %d) in one pass: split differs in %d, reverse order in %d; against each row alone rel err %.1e, argmax differs in %d rows; greedy picks differ in %d; nonfinite %d: %s\n    by row, first layer/logits:%s\n",
+	       embd, nHead, nKV, hd, ffn, rows, maxRows, splitDiffer, orderDiffer, rel, argDiffer, pickDiffer, nan, ok ? "ok" : "FAIL", byRow.c_str());
 	mf_destroy(whole), mf_destroy(a), mf_destroy(b);
 	if (rowsSplits) unsetenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS"), printf("  (attention of several rows in up to %s splits)\n", rowsSplits);
 	return ok ? 0 : 1;
@@ -579,8 +581,11 @@ static void *randomDevice(int type, size_t bytes, float scale, uint64_t &seed, d
 static const int kRowsMax = 8;
 static double oneRow = 0;
 
-static int bench() {
-	const int nLayer = 32, embd = 4096, nHead = 32, nKV = 8, hd = 128, ffn = 14336, vocab = 128256, cells = 4096;
+// bench times one model's steps: the 8B-class llama, or with big the
+// 32B-class one (qwen2.5-32b's shapes without its biases).
+static int bench(bool big) {
+	const int nLayer = big ? 64 : 32, embd = big ? 5120 : 4096, nHead = big ? 40 : 32, nKV = 8, hd = 128;
+	const int ffn = big ? 27648 : 14336, vocab = big ? 152064 : 128256, cells = 4096;
 	const int qd = nHead * hd, kvd = nKV * hd;
 	uint64_t seed = 1;
 	double bytes = 0;
@@ -637,8 +642,8 @@ static int bench() {
 	mf_engine *e = create(c);
 	std::vector<float> logits(vocab);
 	const double fileBytes = bytes + embdBytes;
-	printf("bench 8B-class: %.3f GB read per token (file %.3f GB), copy bandwidth %.0f GB/s\n", bytes / 1e9,
-	       fileBytes / 1e9, bw / 1e9);
+	printf("bench %s-class: %.3f GB read per token (file %.3f GB), copy bandwidth %.0f GB/s\n", bytes / 1e9,
+	       big ? "32B" : "8B", fileBytes / 1e9, bw / 1e9);
 	for (int n : {64, 2048, 576}) {
 		std::vector<int> used(n);
 		for (int i = 0; i < n; i++) used[i] = i;
@@ -715,7 +720,11 @@ int main(int argc, char **argv) {
 		bad |= checkRows(2048, 16, 4, 128, 4);
 		bad |= checkRows(2048, 16, 4, 128, 5);
 		bad |= checkRows(2048, 16, 4, 128, 2);
+		// Rows longer than kSplitK (down, 27648 columns): two launches.
+		bad |= checkRows(5120, 40, 8, 128, 8, nullptr, 27648);
+		bad |= checkRows(2048, 16, 4, 128, 3, nullptr, 17152); // 67 super-blocks: 34 + 33
 	}
-	if (!strcmp(what, "bench") || !strcmp(what, "all")) bad |= bench();
+	if (!strcmp(what, "bench") || !strcmp(what, "all")) bad |= bench(false);
+	if (!strcmp(what, "bench32")) bad |= bench(true);
 	return bad;
 }
