@@ -339,7 +339,7 @@ func (f *cudaFused) create() (ok bool, err error) {
 		return false, fmt.Errorf("%w: %s", errFusedUnavailable, f.errText())
 	}
 	f.maxRows = int(C.meshnode_mf_max_rows_call(f.h))
-	f.passes = fusedPassLimit(f.maxRows)
+	f.passes = fusedPassLimit(f.maxRows, s.embd)
 	if e.info.Last() {
 		f.pinnedRows = min(f.maxRows*f.passes, pinnedRowsMax)
 		f.pinned.n = f.pinnedRows * e.info.Vocab

@@ -281,29 +281,35 @@ func TestFusedPassSizes(t *testing.T) {
 }
 
 // TestFusedPassLimit: MESHNODE_FUSED_PASSES sets the limit where it is a
-// count from 1 to 64; anything else leaves the default.
+// count from 1 to 64; anything else leaves the default: four passes where
+// they take eight rows of a model of n_embd up to 4096, else two.
 func TestFusedPassLimit(t *testing.T) {
 	tests := []struct {
 		env     string
 		maxRows int
+		embd    int
 		want    int
 	}{
-		{"", 8, 4},
-		{"", 16, 4},
-		{"", 4, 2},
-		{"", 1, 2},
-		{"4", 4, 4},
-		{"1", 8, 1},
-		{"64", 8, 64},
-		{"0", 8, 4},
-		{"65", 4, 2},
-		{"-2", 8, 4},
-		{"four", 4, 2},
+		{"", 8, 4096, 4},
+		{"", 8, 2048, 4},
+		{"", 16, 4096, 4},
+		{"", 8, 5120, 2},
+		{"", 8, 8192, 2},
+		{"", 4, 4096, 2},
+		{"", 1, 4096, 2},
+		{"4", 4, 4096, 4},
+		{"4", 8, 5120, 4},
+		{"1", 8, 4096, 1},
+		{"64", 8, 4096, 64},
+		{"0", 8, 4096, 4},
+		{"65", 4, 4096, 2},
+		{"-2", 8, 5120, 2},
+		{"four", 4, 4096, 2},
 	}
 	for _, tc := range tests {
 		t.Setenv("MESHNODE_FUSED_PASSES", tc.env)
-		if got := fusedPassLimit(tc.maxRows); got != tc.want {
-			t.Errorf("MESHNODE_FUSED_PASSES=%q, passes of %d rows: limit %d, want %d", tc.env, tc.maxRows, got, tc.want)
+		if got := fusedPassLimit(tc.maxRows, tc.embd); got != tc.want {
+			t.Errorf("MESHNODE_FUSED_PASSES=%q, passes of %d rows, n_embd %d: limit %d, want %d", tc.env, tc.maxRows, tc.embd, got, tc.want)
 		}
 	}
 }
