@@ -49,10 +49,10 @@ constexpr int kRed = 64; // floats of the norms' reduction space in shared memor
 // gemvMMA holds its whole input in shared memory: eight rows of up to
 // 16384 columns fit beside its stages in an H100's or H200's 227 KB a
 // block. Longer rows (a 32B model's down projection: 27648) are taken in
-// two launches of half the columns each, so that its passes still take
-// eight rows, where they took four (see GemvArgs.kParts). The split
-// depends on the matrix alone, so a row's sums do not depend on the rows
-// beside it.
+// two halves of their columns, each by half of the blocks, so that its
+// passes still take eight rows, where they took four (see
+// GemvArgs.kParts). The split depends on the matrix alone, so a row's
+// sums do not depend on the rows beside it.
 constexpr int kSplitK = 16384;
 
 constexpr int kQ4Bytes = 18;   // Q4_0: f16 scale, 16 bytes of nibbles, 32 weights
@@ -110,15 +110,17 @@ struct GemvArgs {
 	int xdsRow;  // its scales' float2s from one row to the next
 	int xStride, yStride; // floats from one row of x, y to the next
 	uint8_t *img; // gemvMMA: the quantized input as quantizeImage wrote it (xq's rows, then xds's)
-	// gemvMMA of a matrix of more than kSplitK columns runs as kParts (2)
-	// launches, each over super-blocks [kb0, kb0+kbn) of every row with
-	// that share of the input in shared memory, rows sxqRow and sxdsRow
-	// apart there: the first stores its sums to partOut, the second adds
-	// them (partIn) before the epilogue.
-	int kParts, kb0, kbn;
+	// gemvMMA of a matrix of more than kSplitK columns: kParts (2) halves
+	// of every row's super-blocks, the even blocks taking the first and the
+	// odd the second, each with its half of the input in shared memory
+	// (rows sxqRow and sxdsRow apart there). Both store a unit's sums in
+	// kpart ([part][row][total]); the second of a unit's two to count
+	// itself in kcount (one per unit, left at 0) adds them and applies the
+	// epilogue.
+	int kParts;
 	int sxqRow, sxdsRow;
-	float *partOut;
-	const float *partIn;
+	float *kpart;
+	int *kcount;
 	int debug; // mf_profile: 1 skips the input's quantization (gemvMMA: its copy), 2 the dot products
 };
 
@@ -720,14 +722,20 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	// unit left most warps idle (a matrix of 4096 rows is 256 units): QKV,
 	// O and down ran at 220-410 GB/s (run 72). Copying two super-blocks a
 	// step, or keeping six steps in flight, changed nothing (run 75).
-	const int S = a.kbn; // steps a unit takes: its super-blocks from kb0
+	// Split (kParts 2): the block's half of the columns, and its place
+	// among the blocks of that half.
+	const int kp = a.kParts > 1 ? (int)(blockIdx.x & 1) : 0;
+	const int bi0 = a.kParts > 1 ? (int)(blockIdx.x >> 1) : (int)blockIdx.x;
+	const int grid = a.kParts > 1 ? (int)(gridDim.x >> 1) : (int)gridDim.x;
+	const int firstHalf = a.spr - a.spr / 2;
+	const int kb0 = kp ? firstHalf : 0, S = a.kParts > 1 ? (kp ? a.spr - firstHalf : firstHalf) : a.spr; // S: steps a unit takes
 	const int s0 = warp * S / kWarps, per = (warp + 1) * S / kWarps - s0;
 	const int units = (a.total + kMmaRows - 1) / kMmaRows;
-	const int nu = (int)blockIdx.x < units ? (units - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+	const int nu = bi0 < units ? (units - bi0 + grid - 1) / grid : 0;
 	const int steps = nu * per;
 	auto issue = [&](int k) {
 		if (k < steps) {
-			const int unit = blockIdx.x + (k / per) * gridDim.x, sb = s0 + k % per;
+			const int unit = bi0 + (k / per) * grid, sb = s0 + k % per;
 			uint8_t *dst = stages + (k % kMmaStages) * kStageBytes;
 #pragma unroll
 			for (int i = 0; i < (kMmaRows * kPieces + 31) / 32; i++) {
@@ -735,7 +743,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 				if (c < kMmaRows * kPieces) {
 					const int row = c / kPieces, piece = c % kPieces;
 					const int v = min(unit * kMmaRows + row, a.total - 1);
-					const uint8_t *src = rowPtr(a, v) + (size_t)(a.kb0 + sb) * (kQ6 ? kQ6Bytes : 8 * kQ4Bytes);
+					const uint8_t *src = rowPtr(a, v) + (size_t)(kb0 + sb) * (kQ6 ? kQ6Bytes : 8 * kQ4Bytes);
 					// Q6_K: from the aligned piece that holds its first byte. A
 					// piece holding any of a row's bytes lies on that row's
 					// allocation's pages, so the bytes read past its end are
@@ -756,16 +764,16 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	if (!(a.debug & 1) && a.kParts == 1) {
 		const int n16 = (int)(imageBytes(a) / 16);
 		for (int i = threadIdx.x; i < n16; i += THREADS) cpAsync16(reinterpret_cast<uint8_t *>(xq) + 16 * i, a.img + 16 * i);
-	} else if (!(a.debug & 1)) { // the launch's share of each row: kbn super-blocks of bytes, then of float2 scales
-		const int q16 = a.kbn * 16, d16 = a.kbn * 4;
+	} else if (!(a.debug & 1)) { // the block's half of each row: S super-blocks of bytes, then of float2 scales
+		const int q16 = S * 16, d16 = S * 4;
 		const uint8_t *ds = a.img + (size_t)a.rowsCap * a.xqRow;
 		for (int i = threadIdx.x; i < a.nrows * q16; i += THREADS) {
 			const int r = i / q16, c = i % q16;
-			cpAsync16(reinterpret_cast<uint8_t *>(xq) + r * a.sxqRow + 16 * c, a.img + (size_t)r * a.xqRow + 256 * a.kb0 + 16 * c);
+			cpAsync16(reinterpret_cast<uint8_t *>(xq) + r * a.sxqRow + 16 * c, a.img + (size_t)r * a.xqRow + 256 * kb0 + 16 * c);
 		}
 		for (int i = threadIdx.x; i < a.nrows * d16; i += THREADS) {
 			const int r = i / d16, c = i % d16;
-			cpAsync16(reinterpret_cast<uint8_t *>(xds + r * a.sxdsRow) + 16 * c, ds + (size_t)r * a.xdsRow * sizeof(float2) + 64 * a.kb0 + 16 * c);
+			cpAsync16(reinterpret_cast<uint8_t *>(xds + r * a.sxdsRow) + 16 * c, ds + (size_t)r * a.xdsRow * sizeof(float2) + 64 * kb0 + 16 * c);
 		}
 	}
 	cpAsyncCommit();
@@ -784,7 +792,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 		// super-block's share (see issue).
 		int off0 = 0, off1 = 0;
 		if constexpr (kQ6) {
-			const int unit = blockIdx.x + u * gridDim.x;
+			const int unit = bi0 + u * grid;
 			off0 = (int)(reinterpret_cast<uintptr_t>(rowPtr(a, min(unit * kMmaRows + g, a.total - 1))) & 15);
 			off1 = (int)(reinterpret_cast<uintptr_t>(rowPtr(a, min(unit * kMmaRows + g + 8, a.total - 1))) & 15);
 		}
@@ -797,8 +805,8 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 			const int sb = s0 + j;
 			if constexpr (kQ6) {
 				if (!(a.debug & 2)) {
-					const uint8_t *w0 = st + g * kRowBytes + ((off0 + (a.kb0 + sb) * kQ6Bytes) & 15);
-					const uint8_t *w1 = st + (g + 8) * kRowBytes + ((off1 + (a.kb0 + sb) * kQ6Bytes) & 15);
+					const uint8_t *w0 = st + g * kRowBytes + ((off0 + (kb0 + sb) * kQ6Bytes) & 15);
+					const uint8_t *w1 = st + (g + 8) * kRowBytes + ((off1 + (kb0 + sb) * kQ6Bytes) & 15);
 					dotQ6MMA(w0, w1, q, xg + 256 * sb, xd0 + 8 * sb, xd1 + 8 * sb, acc);
 				}
 			} else {
@@ -833,21 +841,42 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 				const float4 o = part[w * 32 + lane];
 				t.x += o.x, t.y += o.y, t.z += o.z, t.w += o.w;
 			}
-			const float sum[4] = {t.x, t.y, t.z, t.w};
-			const int unit = blockIdx.x + u * gridDim.x;
+			float sum[4] = {t.x, t.y, t.z, t.w};
+			const int unit = bi0 + u * grid;
+			bool done = true; // the unit's sums are whole
+			if (a.kParts > 1) {
+				// Store this half's sums; the second half to arrive adds the
+				// other's. Float addition commutes, so the bits do not depend
+				// on which that is.
+				float *mine = a.kpart + (size_t)kp * kMaxRows * a.total;
+				const float *other = a.kpart + (size_t)(1 - kp) * kMaxRows * a.total;
 #pragma unroll
-			for (int hh = 0; hh < 2; hh++) {
+				for (int i = 0; i < 4; i++) {
+					const int v = unit * kMmaRows + g + 8 * (i >> 1), n = 2 * q + (i & 1);
+					if (n < a.nrows && v < a.total) mine[(size_t)n * a.total + v] = sum[i];
+				}
+				__threadfence();
+				__syncwarp();
+				int arrived = 0;
+				if (lane == 0) arrived = atomicAdd(a.kcount + unit, 1);
+				done = __shfl_sync(0xffffffffu, arrived, 0) == 1;
+				if (done) {
+					__threadfence();
+					if (lane == 0) a.kcount[unit] = 0; // for the next split matrix
+#pragma unroll
+					for (int i = 0; i < 4; i++) {
+						const int v = unit * kMmaRows + g + 8 * (i >> 1), n = 2 * q + (i & 1);
+						if (n < a.nrows && v < a.total) sum[i] += __ldcg(other + (size_t)n * a.total + v);
+					}
+				}
+			}
+#pragma unroll
+			for (int hh = 0; hh < 2 && done; hh++) {
 				const int v = unit * kMmaRows + g + 8 * hh;
 #pragma unroll
 				for (int jj = 0; jj < 2; jj++) {
 					const int n = 2 * q + jj;
-					float r = sum[2 * hh + jj];
-					const bool in = n < a.nrows && v < a.total;
-					if (a.partOut) { // the first of kParts launches: the sums wait for the second
-						if (in) a.partOut[(size_t)n * a.total + v] = r;
-						continue;
-					}
-					if (a.partIn && in) r = a.partIn[(size_t)n * a.total + v] + r;
+					const float r = sum[2 * hh + jj];
 					float *y = a.y + (size_t)n * a.yStride;
 					if (a.epi == kSwiGLU) {
 						const float up = __shfl_down_sync(0xffffffffu, r, 4); // row v+1: lane + 4
@@ -1382,7 +1411,8 @@ struct mf_engine {
 	int maxRows = 1;
 	float *x = nullptr, *qkv = nullptr, *att = nullptr, *act = nullptr, *logits = nullptr, *part = nullptr;
 	uint8_t *img = nullptr; // GemvArgs.img
-	float *kpart = nullptr; // GemvArgs.partOut: the first half's sums of a matrix taken in two launches
+	float *kpart = nullptr; // GemvArgs.kpart: the halves' sums of a matrix split by columns
+	int *kcount = nullptr;  // GemvArgs.kcount
 	int *counter = nullptr, *params = nullptr;
 	int *hostParams = nullptr; // pinned
 	float *hostIO = nullptr;   // pinned: hidden in, and out
@@ -1470,8 +1500,7 @@ void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1)
 	if (threads && type == MF_Q4_0) a.threads = threads; // the Q6_K head has only the wide kernel
 	if (a.mma) a.threads = kThreads, a.stageBytes = type == MF_Q6_K ? kMma6StageBytes : kMmaStageBytes;
 	a.kParts = a.mma && k > kSplitK ? 2 : 1;
-	a.kb0 = 0, a.kbn = a.spr;
-	const int most = a.spr - a.spr / a.kParts * (a.kParts - 1); // the first launch's super-blocks, the most
+	const int most = a.spr - a.spr / a.kParts * (a.kParts - 1); // the first half's super-blocks, the most
 	a.sxqRow = a.mma ? 256 * most + 16 : a.xqRow;
 	a.sxdsRow = a.mma ? 8 * most + 2 : a.xdsRow;
 }
@@ -1561,15 +1590,8 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 		fitShape(most, e->smemSM, e->smemOptin);
 		smem = std::max(smem, gemvSmem(most));
 	}
-	const int grid = e->sms * blocksPerSM(a, e->smemSM);
-	if (a.kParts == 2) {
-		GemvArgs p = a;
-		p.kbn = a.spr - a.spr / 2, p.partOut = e->kpart;
-		launch(e, gemvFor(p), grid, p.threads, smem, p);
-		p.kb0 = p.kbn, p.kbn = a.spr / 2, p.partOut = nullptr, p.partIn = e->kpart;
-		launch(e, gemvFor(p), grid, p.threads, smem, p);
-		return;
-	}
+	int grid = e->sms * blocksPerSM(a, e->smemSM);
+	if (a.kParts > 1) a.kpart = e->kpart, a.kcount = e->kcount, grid = std::max(2, grid & ~1); // even: a half each
 	launch(e, gemvFor(a), grid, a.threads, smem, a);
 }
 
@@ -1803,7 +1825,11 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		size_t kpart = 0;
 		if (c.embd > kSplitK) kpart = std::max<size_t>({kpart, (size_t)qd + 2 * kvd, 2 * (size_t)c.ffn, e->last ? (size_t)c.vocab : 0});
 		if (qd > kSplitK || c.ffn > kSplitK) kpart = std::max<size_t>(kpart, c.embd);
-		if (kpart) CE(cudaMalloc(&e->kpart, sizeof(float) * R * kpart));
+		if (kpart) {
+			CE(cudaMalloc(&e->kpart, sizeof(float) * 2 * R * kpart));
+			CE(cudaMalloc(&e->kcount, sizeof(int) * (kpart / kMmaRows + 1)));
+			CE(cudaMemset(e->kcount, 0, sizeof(int) * (kpart / kMmaRows + 1)));
+		}
 	}
 	CE(cudaMemset(e->counter, 0, sizeof(int) * R * c.n_head));
 	CE(cudaMalloc(&e->params, sizeof(int) * (R * kParams + (size_t)R * c.cells)));
@@ -2020,7 +2046,7 @@ extern "C" void mf_destroy(mf_engine *e) {
 	for (cudaGraphExec_t x : e->exec)
 		if (x) cudaGraphExecDestroy(x);
 	cudaFree(e->x), cudaFree(e->qkv), cudaFree(e->att), cudaFree(e->act), cudaFree(e->logits);
-	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->params), cudaFree(e->img), cudaFree(e->picks), cudaFree(e->kpart);
+	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->params), cudaFree(e->img), cudaFree(e->picks), cudaFree(e->kpart), cudaFree(e->kcount);
 	if (e->hostParams) cudaFreeHost(e->hostParams);
 	if (e->hostPicks) cudaFreeHost(e->hostPicks);
 	if (e->hostIO) cudaFreeHost(e->hostIO);
