@@ -1482,16 +1482,25 @@ func (p *meshPipe) Lanes() int {
 }
 
 // lanesOf is how many micro-batches --pipelining keeps in flight through
-// r: one per stage, or 1.
+// r: --micro-batches, by default one per stage; or 1.
 func (m *mesh) lanesOf(r *pipeline.Pipeline) int {
 	route := r.Route()
 	switch {
 	case m.cfg.Pipelining == ggufstage.Off:
 		return 1
 	case m.cfg.Pipelining == ggufstage.On, ownHardware(m.computeOf(route)):
-		return len(route)
+		return pipelinedLanes(len(route), m.cfg.MicroBatches)
 	}
 	return 1
+}
+
+// pipelinedLanes is how many micro-batches a pipelined route of stages
+// keeps in flight: microBatches where set (above 0), else one per stage.
+func pipelinedLanes(stages, microBatches int) int {
+	if microBatches > 0 {
+		return microBatches
+	}
+	return max(stages, 1)
 }
 
 // ownHardware says whether every stage runs on hardware no other stage

@@ -70,6 +70,9 @@ type Config struct {
 	// Pipelining keeps one micro-batch in flight per stage; Auto does when
 	// no two stages share hardware (see meshPipe.Lanes).
 	Pipelining ggufstage.Switch
+	// MicroBatches is how many micro-batches a pipelined route keeps in
+	// flight; 0 is one per stage.
+	MicroBatches int
 	// AllowPeers, when set, admits only these peer IDs to the mesh (on top
 	// of the mesh key): --trust allowlist.
 	AllowPeers []string
@@ -180,6 +183,9 @@ func (c Config) validate() error {
 		if p == nil || p[0].Start < 0 || p[0].End <= p[0].Start {
 			return fmt.Errorf("--layers %q: want START:END with 0 <= START < END", c.Layers)
 		}
+	}
+	if c.MicroBatches < 0 {
+		return fmt.Errorf("--micro-batches %d: want 0 (one per stage) or more", c.MicroBatches)
 	}
 	return checkExposure(c.HTTPAddr, c.APIKey)
 }
