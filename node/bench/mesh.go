@@ -1278,7 +1278,7 @@ func loadAverage() string {
 
 // PrintMesh writes the mesh table.
 func PrintMesh(w io.Writer, rows []MeshRow) {
-	piped := false
+	piped, other := false, false
 	fmt.Fprintf(w, "\n%-14s %6s %-18s %7s %14s %13s %10s %12s %9s  %s\n", "network", "stages", "layers", "streams", "prefill tok/s", "decode tok/s", "×1-stage", "first tok s", "step ms", "stage compute ms, the rest")
 	for _, r := range rows {
 		ratio := ""
@@ -1286,15 +1286,22 @@ func PrintMesh(w io.Writer, rows []MeshRow) {
 			ratio = fmt.Sprintf("%.2f", r.Ratio)
 		}
 		stages := fmt.Sprint(r.Stages)
-		if r.Lanes > 1 {
+		switch {
+		case r.Lanes > 1 && r.Lanes == r.Stages:
 			stages += "*"
 			piped = true
+		case r.Lanes > 1:
+			stages += fmt.Sprintf("*%d", r.Lanes) // serve --micro-batches
+			other = true
 		}
 		fmt.Fprintf(w, "%-14s %6s %-18s %7d %14.1f %13.2f %10s %12.2f %9s  %s\n", r.Network, stages, planLayers(r.Plan), r.Streams, r.PrefillTPS, r.DecodeTPS, ratio, r.FirstToken.Seconds(),
 			millis(r.Step), stepText(r.Step, r.Compute))
 	}
 	if piped {
 		fmt.Fprintln(w, "(*: pipelined, a micro-batch in flight on every stage)")
+	}
+	if other {
+		fmt.Fprintln(w, "(*N: pipelined, N micro-batches in flight: serve --micro-batches)")
 	}
 	fmt.Fprintln(w, "(step: one forward pass through every stage as node 1 waits for it; the rest: hops, framing and scheduling, which overlap with compute when lanes pipeline)")
 	header := false

@@ -269,7 +269,8 @@ meshnode_stage_passes_allocated_ahead_total{stage="0-2"} %g
 }
 
 // TestPrintMeshPipelined: a mesh whose node 1 pipelined is marked, with a
-// footnote; one that did not is not.
+// footnote; one that did not is not; more micro-batches than stages
+// (serve --micro-batches) show their count.
 func TestPrintMeshPipelined(t *testing.T) {
 	var b strings.Builder
 	PrintMesh(&b, []MeshRow{
@@ -283,9 +284,17 @@ func TestPrintMeshPipelined(t *testing.T) {
 	if strings.Contains(out, "1*") {
 		t.Errorf("the 1-stage mesh is marked:\n%s", out)
 	}
+	if strings.Contains(out, "*N") {
+		t.Errorf("a micro-batch per stage is footnoted as --micro-batches:\n%s", out)
+	}
 	b.Reset()
 	PrintMesh(&b, []MeshRow{{Network: "loopback", Stages: 2, Streams: 8, DecodeTPS: 90, Lanes: 1}})
 	if strings.Contains(b.String(), "*") {
 		t.Errorf("an unpipelined table has a mark:\n%s", b.String())
+	}
+	b.Reset()
+	PrintMesh(&b, []MeshRow{{Network: "loopback", Stages: 2, Streams: 32, DecodeTPS: 90, Lanes: 4}})
+	if out := b.String(); !strings.Contains(out, "loopback          2*4") || !strings.Contains(out, "(*N: pipelined, N micro-batches") || strings.Contains(out, "(*: pipelined, a micro-batch") {
+		t.Errorf("four micro-batches through two stages are not marked:\n%s", out)
 	}
 }
