@@ -1451,7 +1451,7 @@ func (p *meshPipe) Forward(ctx context.Context, b *stage.Batch) (sample.Picked, 
 }
 
 // Lanes is how many batches are kept in flight: with pipelining, one per
-// stage of the current route; else one.
+// stage of the current route (or --micro-batches); else one.
 //
 // --pipelining auto (the default) pipelines a route whose stages all run
 // on hardware of their own (Meta.Compute). Stages that share a GPU or a
