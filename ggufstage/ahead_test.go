@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 // TestBuildAhead runs one script of passes through a split built with
@@ -160,7 +161,7 @@ func checkBuildAhead(t *testing.T, device string, perLane Switch) {
 				tol = 2e-3
 			}
 		}
-		if d := maxAbsDiff(got, want); d > tol || argmax(got) != argmax(want) {
+		if d := maxAbsDiff(got, want); d > tol || stagetest.Argmax(got) != stagetest.Argmax(want) {
 			t.Fatalf("step %d (%v): logits differ by %g with passes built ahead", i, st.rows, d)
 		}
 	}
@@ -224,7 +225,7 @@ func TestAllocAheadTakenOver(t *testing.T) {
 		testNoAllocAhead = !st.prep
 		got, want := ahead.forward(t, st.b), plain.forward(t, st.b)
 		e.prep.Wait()
-		if d := maxAbsDiff(got, want); d > 1e-4 || argmax(got) != argmax(want) {
+		if d := maxAbsDiff(got, want); d > 1e-4 || stagetest.Argmax(got) != stagetest.Argmax(want) {
 			t.Fatalf("step %d: logits differ by %g", i, d)
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/ollama/ollama/ml"
 
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 const storiesPath = "../../shared/models/stories260K.gguf"
@@ -103,16 +104,6 @@ func openSplit(t testing.TB, src string, bounds []int, opts Options) *pipeline {
 	return p
 }
 
-func argmax(x []float32) int32 {
-	best := 0
-	for i, v := range x {
-		if v > x[best] {
-			best = i
-		}
-	}
-	return int32(best)
-}
-
 // scenario drives two sequences of different lengths through one mixed
 // prefill batch and then decode steps where both advance together, and
 // returns the logits of every step (two rows each).
@@ -139,7 +130,7 @@ func (sc scenario) run(t *testing.T, fwd func(b stage.Batch) []float32, vocab in
 		next := stage.Batch{
 			Seqs:    []stage.SeqID{1, 2},
 			Pos:     []int32{posA, posB},
-			Tokens:  []int32{argmax(logits[:vocab]), argmax(logits[vocab:])},
+			Tokens:  []int32{stagetest.Argmax(logits[:vocab]), stagetest.Argmax(logits[vocab:])},
 			Outputs: []int{0, 1},
 		}
 		logits = fwd(next)
@@ -277,7 +268,7 @@ func TestGreedyThroughF16Wire(t *testing.T) {
 			} else {
 				b = stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{int32(i)}, Tokens: []int32{out[len(out)-1]}, Outputs: []int{0}}
 			}
-			out = append(out, argmax(p.forward(t, b)))
+			out = append(out, stagetest.Argmax(p.forward(t, b)))
 		}
 		return out
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/meshnode/meshnode/ggufstage/synth"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 // TestGPUSplitEquivalence runs stories260K whole and split on a GPU when
@@ -25,7 +26,7 @@ func TestGPUSplitEquivalence(t *testing.T) {
 		var out []int32
 		b := stageBatchAt(0, 1)
 		for i := range 32 {
-			next := argmax(p.forward(t, b))
+			next := stagetest.Argmax(p.forward(t, b))
 			out = append(out, next)
 			b = stageBatchAt(int32(i+1), next)
 		}
@@ -82,7 +83,7 @@ func TestGPUBatchedDecode(t *testing.T) {
 			logits := p.forward(t, b)
 			vocab := len(logits) / len(seqs)
 			for i := range seqs {
-				next[i] = argmax(logits[i*vocab : (i+1)*vocab])
+				next[i] = stagetest.Argmax(logits[i*vocab : (i+1)*vocab])
 				out[i] = append(out[i], next[i])
 			}
 		}
@@ -196,7 +197,7 @@ func testFusedDecode(t *testing.T, spec synth.Spec) {
 	var next int32
 	for _, p := range []*pipeline{ggml, fused, split, cpu} {
 		p.open(t, 1)
-		next = argmax(p.forward(t, prefill))
+		next = stagetest.Argmax(p.forward(t, prefill))
 	}
 	worst, worstCPU := 0.0, 0.0
 	for i := range 24 {
@@ -213,7 +214,7 @@ func testFusedDecode(t *testing.T, spec synth.Spec) {
 		if !(rel < 0.1) {
 			t.Fatalf("step %d: fused logits off ggml's by %.3g (relative L2)", i, rel)
 		}
-		next = argmax(got)
+		next = stagetest.Argmax(got)
 	}
 	if worst > 2*worstCPU {
 		t.Errorf("fused logits differ from ggml CUDA's by up to %.2e, more than twice ggml's CPU-CUDA difference %.2e", worst, worstCPU)
@@ -286,7 +287,7 @@ func TestGPUFusedRows(t *testing.T) {
 		prefill.Outputs = []int{prefill.Rows() - 1}
 		for _, p := range all {
 			p.open(t, ids[s])
-			next[s] = argmax(p.forward(t, prefill))
+			next[s] = stagetest.Argmax(p.forward(t, prefill))
 		}
 		pos[s] = int32(prefill.Rows())
 	}
@@ -357,7 +358,7 @@ func TestGPUFusedRows(t *testing.T) {
 			t.Fatalf("step %d: a pass of four rows with MESHNODE_FUSED_ROWS=1 is off ggml's by %.3g: it did not run on ggml", step, rel)
 		}
 		for s := range seqs {
-			next[s] = argmax(got[s])
+			next[s] = stagetest.Argmax(got[s])
 			pos[s]++
 		}
 	}

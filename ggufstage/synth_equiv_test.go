@@ -16,6 +16,7 @@ import (
 	"github.com/meshnode/meshnode/ggufstage/gguf"
 	"github.com/meshnode/meshnode/ggufstage/synth"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 // writeTiny writes synth's tiny preset of arch in file type ft.
@@ -86,7 +87,7 @@ func greedy(t *testing.T, p *pipeline, n int) []int32 {
 	out := []int32{1}
 	for i := range n {
 		b := stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{int32(i)}, Tokens: []int32{out[i]}, Outputs: []int{0}}
-		out = append(out, argmax(p.forward(t, b)))
+		out = append(out, stagetest.Argmax(p.forward(t, b)))
 	}
 	return out[1:]
 }
@@ -234,7 +235,7 @@ func TestRepackedMatchesPlain(t *testing.T) {
 				if !(rel <= repackBound) {
 					t.Errorf("repacked logits differ from plain by %.3g relative, over %g", rel, repackBound)
 				}
-				if a, b := argmax(got[0]), argmax(want[0]); a != b {
+				if a, b := stagetest.Argmax(got[0]), stagetest.Argmax(want[0]); a != b {
 					t.Logf("first greedy token differs (%d vs %d): a near tie", a, b)
 				}
 

@@ -24,6 +24,7 @@ import (
 	"github.com/meshnode/meshnode/mlxstage/safetensors"
 	"github.com/meshnode/meshnode/mlxstage/synthst"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 const (
@@ -154,16 +155,6 @@ func build(t *testing.T, gguf, hf string, specs ...stageSpec) *pipeline {
 	return p
 }
 
-func argmax(x []float32) int32 {
-	best := 0
-	for i, v := range x {
-		if v > x[best] {
-			best = i
-		}
-	}
-	return int32(best)
-}
-
 // scenario drives two sequences of different lengths through one mixed
 // prefill batch, then decode steps where both advance together; it returns
 // the logits of every step (two rows each).
@@ -207,7 +198,7 @@ func (sc scenario) run(t *testing.T, p *pipeline) [][]float32 {
 		next := stage.Batch{
 			Seqs:    []stage.SeqID{1, 2},
 			Pos:     []int32{posA, posB},
-			Tokens:  []int32{argmax(logits[:vocab]), argmax(logits[vocab:])},
+			Tokens:  []int32{stagetest.Argmax(logits[:vocab]), stagetest.Argmax(logits[vocab:])},
 			Outputs: []int{0, 1},
 		}
 		logits = p.forward(t, next)
@@ -286,7 +277,7 @@ func greedy(t *testing.T, p *pipeline, n int) []int32 {
 	var out []int32
 	for i := range n {
 		b := stage.Batch{Seqs: []stage.SeqID{7}, Pos: []int32{int32(i)}, Tokens: []int32{tok}, Outputs: []int{0}}
-		tok = argmax(p.forward(t, b))
+		tok = stagetest.Argmax(p.forward(t, b))
 		out = append(out, tok)
 	}
 	return out

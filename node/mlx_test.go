@@ -28,6 +28,7 @@ import (
 	"github.com/meshnode/meshnode/node"
 	"github.com/meshnode/meshnode/node/sse"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 // hfModelPath is stories260K's Hugging Face twin: the same weights as
@@ -346,7 +347,7 @@ func greedyOn(t *testing.T, e stage.Engine, tok *hftok.Tokenizer, seq stage.SeqI
 		if err != nil {
 			t.Fatal(err)
 		}
-		next := argmax(o.Logits)
+		next := stagetest.Argmax(o.Logits)
 		if tok.IsEOG(next) {
 			break
 		}

@@ -32,6 +32,7 @@ import (
 	"github.com/meshnode/meshnode/node/openai"
 	"github.com/meshnode/meshnode/node/sse"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 const (
@@ -174,16 +175,6 @@ func (r *reference) chat(t *testing.T, user string, n int) continuation {
 	return r.greedy(t, ids, n)
 }
 
-func argmax(x []float32) int32 {
-	best := 0
-	for i, v := range x {
-		if v > x[best] {
-			best = i
-		}
-	}
-	return int32(best)
-}
-
 func (r *reference) greedy(t *testing.T, prompt []int32, n int) continuation {
 	t.Helper()
 	r.mu.Lock()
@@ -205,7 +196,7 @@ func (r *reference) greedy(t *testing.T, prompt []int32, n int) continuation {
 		if err != nil {
 			t.Fatal(err)
 		}
-		next := argmax(logits)
+		next := stagetest.Argmax(logits)
 		if r.tok.IsEOG(next) {
 			c.finish = "stop"
 			break

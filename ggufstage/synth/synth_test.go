@@ -22,6 +22,8 @@ import (
 	_ "github.com/ollama/ollama/model/models/qwen2"
 	_ "github.com/ollama/ollama/model/models/qwen3"
 	"github.com/ollama/ollama/tokenizer"
+
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 var testArchs = []string{"llama", "qwen2", "qwen3"}
@@ -294,16 +296,6 @@ func checkLogits(t *testing.T, logits []float32, vocab int) {
 	}
 }
 
-func argmax(v []float32) int32 {
-	best := 0
-	for i := range v {
-		if v[i] > v[best] {
-			best = i
-		}
-	}
-	return int32(best)
-}
-
 func TestTiny(t *testing.T) {
 	for _, arch := range testArchs {
 		for _, ft := range FileTypes {
@@ -350,12 +342,12 @@ func TestTiny(t *testing.T) {
 				// Greedy decoding must wander over the vocabulary rather
 				// than lock onto one token.
 				seen := map[int32]bool{}
-				next := argmax(logits)
+				next := stagetest.Argmax(logits)
 				for range 12 {
 					seen[next] = true
 					logits = s.step(t, []int32{next})
 					checkLogits(t, logits, spec.Vocab)
-					next = argmax(logits)
+					next = stagetest.Argmax(logits)
 				}
 				if len(seen) < 4 {
 					t.Errorf("greedy decoding visited only %v", seen)

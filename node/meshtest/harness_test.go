@@ -28,6 +28,7 @@ import (
 	"github.com/meshnode/meshnode/ggufstage/gguf"
 	"github.com/meshnode/meshnode/ggufstage/synth"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 const (
@@ -412,7 +413,7 @@ func (m *testModel) greedy(t *testing.T, prompt string, n int) continuation {
 		if err != nil {
 			t.Fatal(err)
 		}
-		next := argmax(logits)
+		next := stagetest.Argmax(logits)
 		if m.tok.IsEOG(next) {
 			c.finish = "stop"
 			break
@@ -425,16 +426,6 @@ func (m *testModel) greedy(t *testing.T, prompt string, n int) continuation {
 	}
 	m.memo[key] = c
 	return c
-}
-
-func argmax(x []float32) int32 {
-	best := 0
-	for i, v := range x {
-		if v > x[best] {
-			best = i
-		}
-	}
-	return int32(best)
 }
 
 // ---- the HTTP API ----

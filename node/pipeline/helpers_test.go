@@ -19,6 +19,7 @@ import (
 	"github.com/meshnode/meshnode/node/wire"
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 const storiesPath = "../../../shared/models/stories260K.gguf"
@@ -293,16 +294,6 @@ func greedy() sample.Params {
 	return p
 }
 
-func argmax(x []float32) int32 {
-	best := 0
-	for i, v := range x {
-		if v > x[best] {
-			best = i
-		}
-	}
-	return int32(best)
-}
-
 func maxAbsDiff(a, b []float32) float64 {
 	if len(a) != len(b) {
 		return math.Inf(1)
@@ -389,7 +380,7 @@ func engineForward(t *testing.T, e stage.Engine) forwardFunc {
 		}
 		toks := make([]int32, len(b.Outputs))
 		for i := range toks {
-			toks[i] = argmax(out.LogitsRow(i, vocab))
+			toks[i] = stagetest.Argmax(out.LogitsRow(i, vocab))
 		}
 		return toks, out.Logits, nil
 	}

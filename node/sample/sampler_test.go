@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 func seed(v int64) *int64 { return &v }
@@ -533,7 +534,7 @@ func TestArgmaxFiniteMatchesSanitized(t *testing.T) {
 			for i, x := range l {
 				clean[i] = stage.SanitizeLogit(x)
 			}
-			want := plainArgmax(clean)
+			want := stagetest.Argmax(clean)
 			got, ok := argmaxFinite(l)
 			if !ok {
 				if !slices.Contains(l, inf) {
@@ -647,17 +648,6 @@ func sprinkled(r *rand.Rand, n, oneIn int, specials []float32) []float32 {
 	return l
 }
 
-// plainArgmax is the reference argmax: the first index of the largest value.
-func plainArgmax(l []float32) int32 {
-	best := 0
-	for i, x := range l {
-		if x > l[best] {
-			best = i
-		}
-	}
-	return int32(best)
-}
-
 // TestArgmax: argmax matches the plain loop on logits without NaN,
 // infinities included (a penalty can overflow a logit to +Inf).
 func TestArgmax(t *testing.T) {
@@ -666,7 +656,7 @@ func TestArgmax(t *testing.T) {
 	for n := 1; n <= 40; n++ {
 		for trial := range 200 {
 			l := sprinkled(r, n, 6, specials)
-			if got, want := argmax(l), plainArgmax(l); got != want {
+			if got, want := argmax(l), stagetest.Argmax(l); got != want {
 				t.Fatalf("n=%d trial %d: argmax = %d, want %d, logits %v", n, trial, got, want, l)
 			}
 		}

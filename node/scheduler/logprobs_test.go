@@ -9,6 +9,7 @@ import (
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 // collectLogprobs gathers a generation's text and the log-probabilities
@@ -61,7 +62,7 @@ func referenceLogprobs(t *testing.T, forward func(*stage.Batch) ([]float32, erro
 		for k, x := range logits {
 			lp[k] = float64(x) - m - math.Log(z)
 		}
-		next := argmax(logits)
+		next := stagetest.Argmax(logits)
 		steps = append(steps, refStep{tok: next, logprob: lp})
 		b = stage.Batch{Seqs: []stage.SeqID{9}, Pos: []int32{int32(len(prompt) + i)}, Tokens: []int32{next}, Outputs: []int{0}}
 	}

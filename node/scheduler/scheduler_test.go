@@ -13,6 +13,7 @@ import (
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/node/sample"
 	"github.com/meshnode/meshnode/stage"
+	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
 const storiesPath = "../../../shared/models/stories260K.gguf"
@@ -129,7 +130,7 @@ func reference(t *testing.T, f *fixture, prompt []int32, n int) string {
 		if err != nil {
 			t.Fatal(err)
 		}
-		next := argmax(logits)
+		next := stagetest.Argmax(logits)
 		if f.tok.IsEOG(next) {
 			break
 		}
@@ -141,16 +142,6 @@ func reference(t *testing.T, f *fixture, prompt []int32, n int) string {
 		t.Fatal(err)
 	}
 	return s
-}
-
-func argmax(x []float32) int32 {
-	best := 0
-	for i, v := range x {
-		if v > x[best] {
-			best = i
-		}
-	}
-	return int32(best)
 }
 
 func TestGreedyMatchesOllama(t *testing.T) {
