@@ -232,13 +232,14 @@ func testFusedDecode(t *testing.T, spec synth.Spec) {
 	t.Logf("over 24 steps, the worst relative L2 difference of the logits: fused-ggml CUDA %.2e, ggml CPU-ggml CUDA %.2e", worst, worstCPU)
 }
 
-// TestGPUFusedRows decodes four sequences of different lengths together
-// through the fused kernels: in one stage, in one pass of four rows; in two
-// stages, in reverse order; and (MESHNODE_FUSED_ROWS=2) in two passes of
-// two. A row's logits must have the same bits in all three, and stay near
-// the sequence decoded alone (one-row kernels, which sum in another
-// order). ggml's own pass of four rows is the outside reference; with
-// MESHNODE_FUSED_ROWS=1 the pass is ggml's.
+// TestGPUFusedRows decodes twelve sequences of different lengths together
+// through the fused kernels: in one stage, in one pass of twelve rows (two
+// of gemvMMA's tiles of eight); in two stages, in reverse order; and
+// (MESHNODE_FUSED_ROWS=8) in two passes of six, one tile each. A row's
+// logits must have the same bits in all three, and stay near the sequence
+// decoded alone (one-row kernels, which sum in another order). ggml's own
+// pass of twelve rows is the outside reference; with MESHNODE_FUSED_ROWS=1
+// the pass is ggml's.
 func TestGPUFusedRows(t *testing.T) {
 	needGPU(t)
 	if err := loadFusedLibrary(); err != nil {
@@ -250,7 +251,11 @@ func TestGPUFusedRows(t *testing.T) {
 		Context: 512, Type: synth.Q4_0, Seed: 11}, nil); err != nil {
 		t.Fatal(err)
 	}
-	const seqs = 4
+	const seqs = 12
+	outputs := make([]int, seqs)
+	for i := range outputs {
+		outputs[i] = i
+	}
 	opts := func(s Switch) Options {
 		return Options{Threads: 2, MaxSeqs: seqs, Context: 256, Device: "cuda", FlashAttention: On, FusedDecode: s}
 	}
@@ -280,7 +285,7 @@ func TestGPUFusedRows(t *testing.T) {
 	for s := range seqs {
 		ids[s] = stage.SeqID(s + 1)
 		prefill := stage.Batch{}
-		for i := range 3 + 9*s { // prompts of 3 to 30 tokens
+		for i := range 3 + 9*s { // prompts of 3 to 102 tokens
 			prefill.Seqs, prefill.Pos = append(prefill.Seqs, ids[s]), append(prefill.Pos, int32(i))
 			prefill.Tokens = append(prefill.Tokens, int32((s*131+i*17)%2000+1))
 		}
@@ -301,7 +306,7 @@ func TestGPUFusedRows(t *testing.T) {
 	reverse := func(x []int32) []int32 { y := slices.Clone(x); slices.Reverse(y); return y }
 	worst, worstAlone := 0.0, 0.0
 	for step := range 12 {
-		b := stage.Batch{Seqs: slices.Clone(ids), Pos: slices.Clone(pos), Tokens: slices.Clone(next), Outputs: []int{0, 1, 2, 3}}
+		b := stage.Batch{Seqs: slices.Clone(ids), Pos: slices.Clone(pos), Tokens: slices.Clone(next), Outputs: outputs}
 		got := rows(together.forward(t, b))
 		if len(got) != seqs {
 			t.Fatalf("step %d: logits of %d rows for %d", step, len(got), seqs)
@@ -314,12 +319,12 @@ func TestGPUFusedRows(t *testing.T) {
 				t.Fatalf("step %d: sequence %d's greedy pick %d, want %d, the greedy pick of its logits", step, s+1, picks[s], want)
 			}
 		}
-		rb := stage.Batch{Seqs: slices.Clone(ids), Pos: reverse(pos), Tokens: reverse(next), Outputs: []int{0, 1, 2, 3}}
+		rb := stage.Batch{Seqs: slices.Clone(ids), Pos: reverse(pos), Tokens: reverse(next), Outputs: outputs}
 		slices.Reverse(rb.Seqs)
 		back := rows(split.forward(t, rb))
 		// Read as a pipeline's kernels start, at its first decode pass.
 		if step == 0 {
-			t.Setenv("MESHNODE_FUSED_ROWS", "2")
+			t.Setenv("MESHNODE_FUSED_ROWS", "8")
 		}
 		in2 := rows(chunked.forward(t, b))
 		if step == 0 {
@@ -331,7 +336,7 @@ func TestGPUFusedRows(t *testing.T) {
 				t.Fatalf("step %d: sequence %d in reverse order over two stages differs from one stage's pass", step, s+1)
 			}
 			if !slices.Equal(in2[s], got[s]) {
-				t.Fatalf("step %d: sequence %d in passes of two differs from one pass of four", step, s+1)
+				t.Fatalf("step %d: sequence %d in passes of six differs from one pass of twelve", step, s+1)
 			}
 			one := alone.forward(t, stage.Batch{Seqs: b.Seqs[s : s+1], Pos: b.Pos[s : s+1], Tokens: b.Tokens[s : s+1], Outputs: []int{0}})
 			onePicks := onePick.forwardPicks(t, stage.Batch{Seqs: b.Seqs[s : s+1], Pos: b.Pos[s : s+1], Tokens: b.Tokens[s : s+1], Outputs: []int{0}})
@@ -343,7 +348,7 @@ func TestGPUFusedRows(t *testing.T) {
 			// from ggml CPU's here.
 			rel := relErr([][]float32{got[s]}, [][]float32{one})
 			if !(rel < 2e-2) {
-				t.Fatalf("step %d: sequence %d decoded with three others is off it decoded alone by %.3g (relative L2)", step, s+1, rel)
+				t.Fatalf("step %d: sequence %d decoded with eleven others is off it decoded alone by %.3g (relative L2)", step, s+1, rel)
 			}
 			worstAlone = max(worstAlone, rel)
 		}
@@ -351,11 +356,11 @@ func TestGPUFusedRows(t *testing.T) {
 		rel := relErr(got, ref)
 		worst = max(worst, rel)
 		if !(rel < 0.1) {
-			t.Fatalf("step %d: fused logits of four rows off ggml's by %.3g (relative L2)", step, rel)
+			t.Fatalf("step %d: fused logits of twelve rows off ggml's by %.3g (relative L2)", step, rel)
 		}
 		// With one row a pass it runs on ggml, as the reference does.
 		if rel := relErr(onGGML, ref); !(rel < 1e-5) {
-			t.Fatalf("step %d: a pass of four rows with MESHNODE_FUSED_ROWS=1 is off ggml's by %.3g: it did not run on ggml", step, rel)
+			t.Fatalf("step %d: a pass of twelve rows with MESHNODE_FUSED_ROWS=1 is off ggml's by %.3g: it did not run on ggml", step, rel)
 		}
 		for s := range seqs {
 			next[s] = stagetest.Argmax(got[s])
@@ -369,5 +374,5 @@ func TestGPUFusedRows(t *testing.T) {
 			}
 		}
 	}
-	t.Logf("12 steps of four rows: the same bits in one stage, in two and in passes of two; worst relative L2 difference from each sequence alone %.2e, from ggml's four-row pass %.2e", worstAlone, worst)
+	t.Logf("12 steps of twelve rows: the same bits in one stage, in two and in passes of six; worst relative L2 difference from each sequence alone %.2e, from ggml's twelve-row pass %.2e", worstAlone, worst)
 }

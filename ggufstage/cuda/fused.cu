@@ -43,8 +43,14 @@ constexpr int kAttnThreads = 256;
 constexpr int kParams = 5;
 // Rows a pass takes at once: each sequence's own token. A weight is read
 // once for all of them (see gemvMMA): on an H200 a pass of eight rows of
-// the 8B model took 3.8 times one row's (run 76), not eight.
-constexpr int kMaxRows = 8;
+// the 8B model took 3.8 times one row's (run 76), not eight. gemvMMA's
+// mma takes eight input rows (kTileRows) at once; a pass of more takes
+// them in two tiles against each weight it loads, and a matrix whose
+// sixteen rows of input do not fit a block's shared memory (the down
+// projections of 14336 and 27648 columns) runs as two launches of eight.
+// A row's sums are the same in either, so its bits do not depend on the
+// pass.
+constexpr int kMaxRows = 16, kTileRows = 8;
 constexpr int kRed = 64; // floats of the norms' reduction space in shared memory
 // gemvMMA holds its whole input in shared memory: eight rows of up to
 // 16384 columns fit beside its stages in an H100's or H200's 227 KB a
@@ -603,14 +609,18 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 
 // The mat-vec of several rows (2 to kMaxRows) for Q4_0 and Q6_K matrices,
 // on the tensor cores: for 16 matrix rows and each block of 32 columns, one int8
-// mma.m16n8k32 multiplies them by the block of all eight input rows
-// (columns of B); the integer sums are exact, and each
+// mma.m16n8k32 multiplies them by the block of a tile of eight input rows
+// (columns of B), once for each of the pass's one or two tiles (NT); the
+// integer sums are exact, and each
 // is scaled as dotQ4SB scales its own. dp4a, with a lane's sums for every
 // row, left the weights' bytes behind: at eight rows the mat-vecs ran at
 // 400-800 GB/s (run 71). A row's result does not depend on the other rows
 // of the pass; the order of its sums differs from the one-row kernel's.
 // Weights come into shared memory as in gemv: a stage is 16 rows × 256
 // columns (8 blocks, 144 bytes a row), kMmaStages of them in flight a warp.
+// Passes of two tiles (sixteen rows), whose input takes so much shared
+// memory that one block fits a multiprocessor, ran no faster with six
+// (run 116).
 constexpr int kMmaRows = 16, kMmaStageBytes = kMmaRows * 8 * kQ4Bytes, kMmaStages = 3;
 // The Q6_K head's passes of several rows: dp4a with a sum per row took 793
 // us at eight rows of the 8B model (137 at one, run 77), mma 302 (run 79).
@@ -657,15 +667,17 @@ __global__ void __launch_bounds__(THREADS) quantizeImage(GemvArgs a) {
 }
 
 // One Q6_K super-block of matrix rows g and g+8 (w0, w1 in shared memory)
-// against a super-block of the input (xs: its bytes 4q.. of input row g; e0,
-// e1: its block scales of input rows 2q, 2q+1), added to acc as gemvMMA
-// keeps it. Each
-// sub-block's integer sums are scaled by its 8-bit scale in integers, and
-// the two of a 32-weight block, which share the input's scale, are added
-// before turning to floats.
-__device__ __forceinline__ void dotQ6MMA(const uint8_t *w0, const uint8_t *w1, int q, const int8_t *xs, const float2 *e0,
-                                         const float2 *e1, float (&acc)[4]) {
-	float f[4] = {0.f, 0.f, 0.f, 0.f};
+// against a super-block of the input, for each of NT tiles of eight input
+// rows (xs[t]: its bytes 4q.. of the tile's row g; e0[t], e1[t]: its block
+// scales of the tile's rows 2q, 2q+1), added to acc[t] as gemvMMA keeps
+// it. Each sub-block's integer sums are scaled by its 8-bit scale in
+// integers, and the two of a 32-weight block, which share the input's
+// scale, are added before turning to floats. A tile's sums are the same
+// whatever tiles are beside it.
+template <int NT>
+__device__ __forceinline__ void dotQ6MMA(const uint8_t *w0, const uint8_t *w1, int q, const int8_t *const (&xs)[NT],
+                                         const float2 *const (&e0)[NT], const float2 *const (&e1)[NT], float (&acc)[NT][4]) {
+	float f[NT][4] = {};
 #pragma unroll
 	for (int h = 0; h < 2; h++) {
 		const uint8_t *ql0 = w0 + 64 * h, *qh0 = w0 + 128 + 32 * h, *ql1 = w1 + 64 * h, *qh1 = w1 + 128 + 32 * h;
@@ -675,7 +687,7 @@ __device__ __forceinline__ void dotQ6MMA(const uint8_t *w0, const uint8_t *w1, i
 		auto scale = [](uint32_t lo, uint32_t hi, int i) { // sub-block i of the half: signed byte
 			return (int)(int8_t)((i < 4 ? lo : hi) >> (8 * (i & 3)));
 		};
-		int is[4][4] = {}; // by quarter m: rows g, g+8 × inputs 2q, 2q+1, as C
+		int is[NT][4][4] = {}; // by tile, quarter m: rows g, g+8 × inputs 2q, 2q+1, as C
 #pragma unroll
 		for (int s = 0; s < 2; s++) {
 			int v0[4], v1[4];
@@ -683,29 +695,37 @@ __device__ __forceinline__ void dotQ6MMA(const uint8_t *w0, const uint8_t *w1, i
 			q6Quads(ql1, qh1, 16 * s + 4 * q, v1);
 #pragma unroll
 			for (int m = 0; m < 4; m++) {
-				const uint32_t b = *reinterpret_cast<const uint32_t *>(xs + 16 * (8 * h + 2 * m + s));
-				int C[4];
-				mma16x8x16((uint32_t)v0[m], (uint32_t)v1[m], b, C);
 				const int c0 = scale(sa0, sb0, 2 * m + s), c1 = scale(sa1, sb1, 2 * m + s);
-				is[m][0] += c0 * C[0], is[m][1] += c0 * C[1], is[m][2] += c1 * C[2], is[m][3] += c1 * C[3];
+#pragma unroll
+				for (int t = 0; t < NT; t++) {
+					const uint32_t b = *reinterpret_cast<const uint32_t *>(xs[t] + 16 * (8 * h + 2 * m + s));
+					int C[4];
+					mma16x8x16((uint32_t)v0[m], (uint32_t)v1[m], b, C);
+					is[t][m][0] += c0 * C[0], is[t][m][1] += c0 * C[1], is[t][m][2] += c1 * C[2], is[t][m][3] += c1 * C[3];
+				}
 			}
 		}
 #pragma unroll
-		for (int m = 0; m < 4; m++) {
-			const float x0 = e0[4 * h + m].x, x1 = e1[4 * h + m].x;
-			f[0] = fmaf(x0, (float)is[m][0], f[0]), f[1] = fmaf(x1, (float)is[m][1], f[1]);
-			f[2] = fmaf(x0, (float)is[m][2], f[2]), f[3] = fmaf(x1, (float)is[m][3], f[3]);
-		}
+		for (int t = 0; t < NT; t++)
+#pragma unroll
+			for (int m = 0; m < 4; m++) {
+				const float x0 = e0[t][4 * h + m].x, x1 = e1[t][4 * h + m].x;
+				f[t][0] = fmaf(x0, (float)is[t][m][0], f[t][0]), f[t][1] = fmaf(x1, (float)is[t][m][1], f[t][1]);
+				f[t][2] = fmaf(x0, (float)is[t][m][2], f[t][2]), f[t][3] = fmaf(x1, (float)is[t][m][3], f[t][3]);
+			}
 	}
 	const float d0 = halfAt(w0 + 208), d1 = halfAt(w1 + 208);
-	acc[0] = fmaf(d0, f[0], acc[0]), acc[1] = fmaf(d0, f[1], acc[1]);
-	acc[2] = fmaf(d1, f[2], acc[2]), acc[3] = fmaf(d1, f[3], acc[3]);
+#pragma unroll
+	for (int t = 0; t < NT; t++) {
+		acc[t][0] = fmaf(d0, f[t][0], acc[t][0]), acc[t][1] = fmaf(d0, f[t][1], acc[t][1]);
+		acc[t][2] = fmaf(d1, f[t][2], acc[t][2]), acc[t][3] = fmaf(d1, f[t][3], acc[t][3]);
+	}
 }
 
 // The bytes of a gemvMMA pass's quantized input (quantizeImage).
 __host__ __device__ size_t imageBytes(const GemvArgs &a) { return (size_t)a.rowsCap * (a.xqRow + a.xdsRow * sizeof(float2)); }
 
-template <int THREADS, int TYPE>
+template <int THREADS, int TYPE, int NT>
 __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a) {
 	static_assert(TYPE == MF_Q4_0 || TYPE == MF_Q6_K, "gemvMMA takes Q4_0 and Q6_K");
 	constexpr bool kQ6 = TYPE == MF_Q6_K;
@@ -719,7 +739,8 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	int8_t *xq = reinterpret_cast<int8_t *>(smem + kWarps * kMmaStages * kStageBytes);
 	float2 *xds = reinterpret_cast<float2 *>(xq + a.rowsCap * a.sxqRow);
 	float *red = reinterpret_cast<float *>(xds + a.rowsCap * a.sxdsRow);
-	float4 *part = reinterpret_cast<float4 *>(red + kRed); // [kWarps][32]: each warp's share of a unit
+	// [2][kWarps][NT][32]: each warp's share of a unit, by the unit's parity.
+	float4 *parts = reinterpret_cast<float4 *>(red + kRed);
 
 	// A block takes units of 16 matrix rows; its warps share each unit's
 	// columns, a super-block (256) a step, each warp a run of steps of its
@@ -785,14 +806,19 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	cpAsyncWait<0>();
 	__syncthreads();
 
-	// B's column g is input row g; C's columns are input rows 2q, 2q+1.
-	// Columns past the pass's rows compute on its last row and are never
-	// stored: each column's sums are its own.
+	// Tile t's B: column g is input row 8t+g; C's columns are input rows
+	// 8t+2q, 8t+2q+1. Columns past the pass's rows compute on its last row
+	// and are never stored: each column's sums are its own.
 	const int last = a.nrows - 1;
-	const int8_t *xg = xq + min(g, last) * a.sxqRow + 4 * q; // rows a.sxqRow apart: the eight rows' words in different banks
-	const float2 *xd0 = xds + min(2 * q, last) * a.sxdsRow, *xd1 = xds + min(2 * q + 1, last) * a.sxdsRow;
+	const int8_t *xg[NT];
+	const float2 *xd0[NT], *xd1[NT];
+#pragma unroll
+	for (int t = 0; t < NT; t++) {
+		xg[t] = xq + min(kTileRows * t + g, last) * a.sxqRow + 4 * q; // rows a.sxqRow apart: the eight rows' words in different banks
+		xd0[t] = xds + min(kTileRows * t + 2 * q, last) * a.sxdsRow, xd1[t] = xds + min(kTileRows * t + 2 * q + 1, last) * a.sxdsRow;
+	}
 	for (int u = 0; u < nu; u++) {
-		float acc[4] = {0.f, 0.f, 0.f, 0.f}; // rows g, g+8 of the unit × input rows 2q, 2q+1
+		float acc[NT][4] = {}; // by tile: rows g, g+8 of the unit × input rows 2q, 2q+1
 		// Q6_K: where rows g and g+8 start in their stage rows, less the
 		// super-block's share (see issue).
 		int off0 = 0, off1 = 0;
@@ -812,7 +838,11 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 				if (!(a.debug & 2)) {
 					const uint8_t *w0 = st + g * kRowBytes + ((off0 + (kb0 + sb) * kQ6Bytes) & 15);
 					const uint8_t *w1 = st + (g + 8) * kRowBytes + ((off1 + (kb0 + sb) * kQ6Bytes) & 15);
-					dotQ6MMA(w0, w1, q, xg + 256 * sb, xd0 + 8 * sb, xd1 + 8 * sb, acc);
+					const int8_t *xs[NT];
+					const float2 *e0[NT], *e1[NT];
+#pragma unroll
+					for (int t = 0; t < NT; t++) xs[t] = xg[t] + 256 * sb, e0[t] = xd0[t] + 8 * sb, e1[t] = xd1[t] + 8 * sb;
+					dotQ6MMA<NT>(w0, w1, q, xs, e0, e1, acc);
 				}
 			} else {
 #pragma unroll
@@ -824,29 +854,43 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 				const uint32_t q0 = bi & 1 ? *reinterpret_cast<const uint32_t *>(w0 + 2 + 4 * q) : u32At2(w0 + 2 + 4 * q);
 				const uint32_t q1 = bi & 1 ? *reinterpret_cast<const uint32_t *>(w1 + 2 + 4 * q) : u32At2(w1 + 2 + 4 * q);
 				const uint32_t A[4] = {q0 & 0x0f0f0f0fu, q1 & 0x0f0f0f0fu, (q0 >> 4) & 0x0f0f0f0fu, (q1 >> 4) & 0x0f0f0f0fu};
-				const uint32_t b0 = *reinterpret_cast<const uint32_t *>(xg + 256 * sb + 32 * bi);
-				const uint32_t b1 = *reinterpret_cast<const uint32_t *>(xg + 256 * sb + 32 * bi + 16);
-				int C[4];
-				mma16x8x32(A, b0, b1, C);
 				const float d0 = halfAt(w0), d1 = halfAt(w1);
-				const float2 e0 = xd0[8 * sb + bi], e1 = xd1[8 * sb + bi];
-				acc[0] = fmaf(d0, fmaf(e0.x, (float)C[0], -8.f * e0.y), acc[0]);
-				acc[1] = fmaf(d0, fmaf(e1.x, (float)C[1], -8.f * e1.y), acc[1]);
-				acc[2] = fmaf(d1, fmaf(e0.x, (float)C[2], -8.f * e0.y), acc[2]);
-				acc[3] = fmaf(d1, fmaf(e1.x, (float)C[3], -8.f * e1.y), acc[3]);
+#pragma unroll
+				for (int t = 0; t < NT; t++) {
+					const uint32_t b0 = *reinterpret_cast<const uint32_t *>(xg[t] + 256 * sb + 32 * bi);
+					const uint32_t b1 = *reinterpret_cast<const uint32_t *>(xg[t] + 256 * sb + 32 * bi + 16);
+					int C[4];
+					mma16x8x32(A, b0, b1, C);
+					const float2 e0 = xd0[t][8 * sb + bi], e1 = xd1[t][8 * sb + bi];
+					acc[t][0] = fmaf(d0, fmaf(e0.x, (float)C[0], -8.f * e0.y), acc[t][0]);
+					acc[t][1] = fmaf(d0, fmaf(e1.x, (float)C[1], -8.f * e1.y), acc[t][1]);
+					acc[t][2] = fmaf(d1, fmaf(e0.x, (float)C[2], -8.f * e0.y), acc[t][2]);
+					acc[t][3] = fmaf(d1, fmaf(e1.x, (float)C[3], -8.f * e1.y), acc[t][3]);
+				}
 			}
 			}
 			__syncwarp(); // the stage is copied into again
 		}
-		part[warp * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+		// One barrier a unit: the warps go on to the next unit while one of
+		// them, a different one each unit, sums this one's shares. Shares
+		// alternate between two buffers; the barrier of the next unit, which
+		// the summing warp reaches only when it is done, keeps a buffer from
+		// being written again too soon.
+		float4 *part = parts + (u & 1) * kWarps * NT * 32;
+#pragma unroll
+		for (int t = 0; t < NT; t++) part[(warp * NT + t) * 32 + lane] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
 		__syncthreads();
-		if (warp == 0) {
-			float4 t = part[lane];
-			for (int w = 1; w < kWarps; w++) {
-				const float4 o = part[w * 32 + lane];
-				t.x += o.x, t.y += o.y, t.z += o.z, t.w += o.w;
+		if (warp == u % kWarps) {
+			float sum[NT][4];
+#pragma unroll
+			for (int t = 0; t < NT; t++) {
+				float4 s4 = part[t * 32 + lane];
+				for (int w = 1; w < kWarps; w++) {
+					const float4 o = part[(w * NT + t) * 32 + lane];
+					s4.x += o.x, s4.y += o.y, s4.z += o.z, s4.w += o.w;
+				}
+				sum[t][0] = s4.x, sum[t][1] = s4.y, sum[t][2] = s4.z, sum[t][3] = s4.w;
 			}
-			float sum[4] = {t.x, t.y, t.z, t.w};
 			const int unit = bi0 + u * grid;
 			bool done = true; // the unit's sums are whole
 			if (a.kParts > 1) {
@@ -856,10 +900,12 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 				float *mine = a.kpart + (size_t)kp * kMaxRows * a.total;
 				const float *other = a.kpart + (size_t)(1 - kp) * kMaxRows * a.total;
 #pragma unroll
-				for (int i = 0; i < 4; i++) {
-					const int v = unit * kMmaRows + g + 8 * (i >> 1), n = 2 * q + (i & 1);
-					if (n < a.nrows && v < a.total) mine[(size_t)n * a.total + v] = sum[i];
-				}
+				for (int t = 0; t < NT; t++)
+#pragma unroll
+					for (int i = 0; i < 4; i++) {
+						const int v = unit * kMmaRows + g + 8 * (i >> 1), n = kTileRows * t + 2 * q + (i & 1);
+						if (n < a.nrows && v < a.total) mine[(size_t)n * a.total + v] = sum[t][i];
+					}
 				__threadfence();
 				__syncwarp();
 				int arrived = 0;
@@ -869,33 +915,36 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 					__threadfence();
 					if (lane == 0) a.kcount[unit] = 0; // for the next split matrix
 #pragma unroll
-					for (int i = 0; i < 4; i++) {
-						const int v = unit * kMmaRows + g + 8 * (i >> 1), n = 2 * q + (i & 1);
-						if (n < a.nrows && v < a.total) sum[i] += __ldcg(other + (size_t)n * a.total + v);
-					}
+					for (int t = 0; t < NT; t++)
+#pragma unroll
+						for (int i = 0; i < 4; i++) {
+							const int v = unit * kMmaRows + g + 8 * (i >> 1), n = kTileRows * t + 2 * q + (i & 1);
+							if (n < a.nrows && v < a.total) sum[t][i] += __ldcg(other + (size_t)n * a.total + v);
+						}
 				}
 			}
 #pragma unroll
-			for (int hh = 0; hh < 2 && done; hh++) {
-				const int v = unit * kMmaRows + g + 8 * hh;
+			for (int t = 0; t < NT && done; t++)
 #pragma unroll
-				for (int jj = 0; jj < 2; jj++) {
-					const int n = 2 * q + jj;
-					const float r = sum[2 * hh + jj];
-					float *y = a.y + (size_t)n * a.yStride;
-					if (a.epi == kSwiGLU) {
-						const float up = __shfl_down_sync(0xffffffffu, r, 4); // row v+1: lane + 4
-						if (!(g & 1) && n < a.nrows && v < a.total) y[v >> 1] = r / (1.f + __expf(-r)) * up;
-					} else if (n < a.nrows && v < a.total) {
-						if (a.epi == kAdd)
-							y[v] += r;
-						else
-							y[v] = r + biasAt(a, v);
+				for (int hh = 0; hh < 2; hh++) {
+					const int v = unit * kMmaRows + g + 8 * hh;
+#pragma unroll
+					for (int jj = 0; jj < 2; jj++) {
+						const int n = kTileRows * t + 2 * q + jj;
+						const float r = sum[t][2 * hh + jj];
+						float *y = a.y + (size_t)n * a.yStride;
+						if (a.epi == kSwiGLU) {
+							const float up = __shfl_down_sync(0xffffffffu, r, 4); // row v+1: lane + 4
+							if (!(g & 1) && n < a.nrows && v < a.total) y[v >> 1] = r / (1.f + __expf(-r)) * up;
+						} else if (n < a.nrows && v < a.total) {
+							if (a.epi == kAdd)
+								y[v] += r;
+							else
+								y[v] = r + biasAt(a, v);
+						}
 					}
 				}
-			}
 		}
-		__syncthreads(); // part is written again
 	}
 	cpAsyncWait<0>();
 }
@@ -1433,7 +1482,7 @@ struct mf_engine {
 	int attnSplits = kSplits;
 	// attnSplitsRows: the same for passes of several rows, whose blocks
 	// take a KV head's group of query heads (attentionRows): as many as
-	// let a pass of kMaxRows run in one wave, or
+	// let a pass of kTileRows run in one wave (one of kMaxRows takes two), or
 	// MESHNODE_FUSED_ATTN_ROWS_SPLITS. Every such pass splits alike, so
 	// that a row's result does not depend on the rows beside it.
 	int attnSplitsRows = kSplits;
@@ -1481,7 +1530,7 @@ int copyWidth(const GemvArgs &a) {
 
 // The kernel's shape for a matrix of k columns and up to rows input rows.
 void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1) {
-	a.rowsCap = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : kMaxRows;
+	a.rowsCap = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : rows <= kTileRows ? kTileRows : kMaxRows;
 	a.nrows = rows < 1 ? 1 : rows;
 	a.mma = rows > 1 && (type == MF_Q4_0 || type == MF_Q6_K);
 	// gemvMMA's rows of the input, padded: the eight rows' words, and four
@@ -1510,8 +1559,12 @@ void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1)
 	a.sxdsRow = a.mma ? 8 * most + 2 : a.xdsRow;
 }
 
+// gemvMMA's tiles of eight input rows (kTileRows).
+int tilesOf(const GemvArgs &a) { return a.rowsCap > kTileRows ? 2 : 1; }
+
 size_t gemvSmem(const GemvArgs &a) {
-	return (size_t)(a.threads / 32) * (a.mma ? kMmaStages * a.stageBytes + 32 * sizeof(float4) : 2 * a.stageBytes) +
+	return (size_t)(a.threads / 32) *
+	           (a.mma ? kMmaStages * a.stageBytes + 2 * tilesOf(a) * 32 * sizeof(float4) : 2 * a.stageBytes) +
 	       (size_t)a.rowsCap * (a.sxqRow + a.sxdsRow * sizeof(float2)) + kRed * sizeof(float) +
 	       (a.norm && !a.normDirect && !a.mma ? (size_t)a.k * sizeof(float) : 0); // gemvMMA's norm is quantizeImage's
 }
@@ -1546,7 +1599,8 @@ template <int THREADS> void (*gemvByType(const GemvArgs &a))(GemvArgs) {
 	return gemv<MF_Q6_K, THREADS, 4>;
 }
 void (*gemvFor(const GemvArgs &a))(GemvArgs) {
-	if (a.mma) return a.type == MF_Q6_K ? gemvMMA<kThreads, MF_Q6_K> : gemvMMA<kThreads, MF_Q4_0>;
+	if (a.mma && tilesOf(a) == 2) return a.type == MF_Q6_K ? gemvMMA<kThreads, MF_Q6_K, 2> : gemvMMA<kThreads, MF_Q4_0, 2>;
+	if (a.mma) return a.type == MF_Q6_K ? gemvMMA<kThreads, MF_Q6_K, 1> : gemvMMA<kThreads, MF_Q4_0, 1>;
 	return a.threads == kWideThreads ? gemvByType<kWideThreads>(a) : gemvByType<kThreads>(a);
 }
 
@@ -1561,10 +1615,28 @@ __global__ void streamRead(const uint4 *p, size_t n, unsigned *sink) {
 	if (acc == 0x12345678u) *sink = acc;
 }
 
+// fitsRows says whether one launch of the mat-vec takes rows input rows
+// within a block's shared memory.
+bool fitsRows(int type, int k, const void *norm, int threads, int rows, int smemSM, int optin) {
+	GemvArgs a{};
+	gemvShape(a, type, k, kStore, threads, rows);
+	a.norm = (const float *)norm;
+	return fitShape(a, smemSM, optin);
+}
+
 // launchGemv queues y = W x for nrows inputs: row r of x at r*k, of y at
 // r*yStride.
 void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const void *w2, int r0, int r1, int r2, int k,
                 int type, const float *x, const float *norm, float *y, int yStride, int epi, const void *const *bias = nullptr) {
+	if (nrows > kTileRows && !fitsRows(type, k, norm, e->threads, nrows, e->smemSM, e->smemOptin)) {
+		// Two launches of one tile each (see kMaxRows), both of at least
+		// two rows, so that both run gemvMMA.
+		const int n0 = (nrows + 1) / 2;
+		launchGemv(e, n0, w0, w1, w2, r0, r1, r2, k, type, x, norm, y, yStride, epi, bias);
+		launchGemv(e, nrows - n0, w0, w1, w2, r0, r1, r2, k, type, x + (size_t)n0 * k, norm, y + (size_t)n0 * yStride, yStride, epi,
+		           bias);
+		return;
+	}
 	GemvArgs a{};
 	a.debug = gemvDebug;
 	a.w[0] = (const uint8_t *)w0, a.w[1] = (const uint8_t *)w1, a.w[2] = (const uint8_t *)w2;
@@ -1587,13 +1659,15 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 	// early (PDL), and gate/up at two rows took 43 us against 34.5 at eight
 	// (39.4 at both without PDL, run 86). O, down and the head ran faster
 	// with early neighbours (run 87).
+	// A pass of one tile asks for the most of one tile: passes of two
+	// tiles hold twice the input, and their blocks fit one to a
+	// multiprocessor.
 	size_t smem = gemvSmem(a);
 	if (a.mma && a.norm && type == MF_Q4_0) {
 		GemvArgs most = a;
-		gemvShape(most, type, k, epi, e->threads, e->maxRows);
+		gemvShape(most, type, k, epi, e->threads, nrows <= kTileRows ? std::min(e->maxRows, kTileRows) : e->maxRows);
 		most.norm = a.norm;
-		fitShape(most, e->smemSM, e->smemOptin);
-		smem = std::max(smem, gemvSmem(most));
+		if (fitShape(most, e->smemSM, e->smemOptin)) smem = std::max(smem, gemvSmem(most));
 	}
 	int grid = e->sms * blocksPerSM(a, e->smemSM);
 	if (a.kParts > 1) a.kpart = e->kpart, a.kcount = e->kcount, grid = std::max(2, grid & ~1); // even: a half each
@@ -1769,11 +1843,11 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 			const void *norm;
 		} shapes[] = {{MF_Q4_0, c.embd, c.layers[0].attn_norm}, {MF_Q4_0, qd, nullptr}, {MF_Q4_0, c.ffn, nullptr},
 		              {c.out_type, c.embd, c.out_norm}};
+		// Past one tile, a shape that does not fit runs as two launches
+		// (launchGemv).
 		for (int i = 0; i < (e->last ? 4 : 3); i++) {
-			GemvArgs a{};
-			gemvShape(a, shapes[i].type, shapes[i].k, kStore, e->threads, rows);
-			a.norm = (const float *)shapes[i].norm;
-			if (!fitShape(a, e->smemSM, e->smemOptin)) return false;
+			auto fit = [&](int n) { return fitsRows(shapes[i].type, shapes[i].k, shapes[i].norm, e->threads, n, e->smemSM, e->smemOptin); };
+			if (!fit(rows) && !(rows > kTileRows && fit(kTileRows))) return false;
 		}
 		return true;
 	};
@@ -1783,7 +1857,7 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	}
 	int rowsWanted = kMaxRows;
 	if (const char *v = getenv("MESHNODE_FUSED_ROWS")) rowsWanted = std::max(1, std::min(kMaxRows, atoi(v)));
-	for (int rows : {kMaxRows, 4, 2})
+	for (int rows : {kMaxRows, kTileRows, 4, 2})
 		if (rows <= rowsWanted && fits(rows)) {
 			e->maxRows = rows;
 			break;
@@ -1792,8 +1866,8 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	               gemv<MF_Q6_K, kThreads, 8>, gemv<MF_Q6_K, kThreads, 4>, gemv<MF_Q6_K, kWideThreads, 16>,
 	               gemv<MF_Q6_K, kWideThreads, 8>, gemv<MF_Q6_K, kWideThreads, 4>})
 		CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
-	CE(cudaFuncSetAttribute(gemvMMA<kThreads, MF_Q4_0>, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
-	CE(cudaFuncSetAttribute(gemvMMA<kThreads, MF_Q6_K>, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
+	for (auto k : {gemvMMA<kThreads, MF_Q4_0, 1>, gemvMMA<kThreads, MF_Q6_K, 1>, gemvMMA<kThreads, MF_Q4_0, 2>, gemvMMA<kThreads, MF_Q6_K, 2>})
+		CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
 	{
 		int perSM = 0;
 		CE(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSM, c.head_dim == 128 ? attention<128> : attention<64>, kAttnThreads, 0));
@@ -1805,7 +1879,7 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		                                    : (group <= 4 ? attentionRows<64, 4> : attentionRows<64, 8>);
 		int perSMRows = 0;
 		CE(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSMRows, rowsKernel, kAttnThreads, 0));
-		e->attnSplitsRows = group <= 8 ? std::max(1, std::min(kSplits, perSMRows * e->sms / (c.n_kv_head * kMaxRows)))
+		e->attnSplitsRows = group <= 8 ? std::max(1, std::min(kSplits, perSMRows * e->sms / (c.n_kv_head * kTileRows)))
 		                               : std::max(1, e->attnSplits / 4);
 		if (const char *v = getenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS")) e->attnSplitsRows = std::max(1, std::min(kSplits, atoi(v)));
 	}

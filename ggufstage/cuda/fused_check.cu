@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -405,7 +406,9 @@ static void stepRows(mf_engine *e, int rows, const int *toks, const float *hidde
 // the other way, which moves the logits by up to about 2e-3 (run 74).
 static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char *rowsSplits = nullptr, int ffn = 5632) {
 	if (rowsSplits) setenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS", rowsSplits, 1);
-	const int vocab = 3000, cells = 1024, nLayer = 2;
+	const int vocab = 3000, nLayer = 2;
+	int cells = 1024;
+	for (int r = 0, need = 0; r < rows; r++) need += 6 + 23 * r, cells = std::max(cells, need);
 	Model m = makeModel(nLayer, embd, nHead, nKV, hd, ffn, vocab, cells);
 	DeviceModel d = uploadModel(m);
 	std::vector<int> perm(cells);
@@ -440,7 +443,7 @@ static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char 
 	for (int r = 0; r < rows; r++) step(whole, toks[r], nullptr, pos[r], loc[r], own[r], alone.data() + r * V);
 	std::vector<float> hiddenAlone((size_t)rows * embd);
 	for (int r = 0; r < rows; r++) step(a, toks[r], nullptr, pos[r], loc[r], own[r], hiddenAlone.data() + (size_t)r * embd);
-	int splitDiffer = 0, orderDiffer = 0, nan = 0, argDiffer = 0, pickDiffer = 0;
+	int splitDiffer = 0, orderDiffer = 0, nan = 0, argDiffer = 0, pickDiffer = 0, halvesDiffer = 0;
 	double num = 0, den = 0;
 	if (rows <= maxRows) {
 		stepRows(whole, rows, toks.data(), nullptr, pos.data(), loc.data(), all, ncells.data(), together.data());
@@ -457,6 +460,17 @@ static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char 
 			exit(1);
 		}
 		for (int r = 0; r < rows; r++) pickDiffer += picks[r] != greedyPick(&split[r * V], V);
+		// Past one tile of gemvMMA (eight rows), the same rows in two passes
+		// of one tile each must have the same bits as in one.
+		if (rows > 8) {
+			std::vector<float> halves(rows * V);
+			const int n0 = (rows + 1) / 2, c0 = std::accumulate(ncells.begin(), ncells.begin() + n0, 0);
+			std::vector<int> all0(all.begin(), all.begin() + c0), all1(all.begin() + c0, all.end());
+			stepRows(whole, n0, toks.data(), nullptr, pos.data(), loc.data(), all0, ncells.data(), halves.data());
+			stepRows(whole, rows - n0, toks.data() + n0, nullptr, pos.data() + n0, loc.data() + n0, all1, ncells.data() + n0,
+			         halves.data() + n0 * V);
+			for (size_t i = 0; i < rows * V; i++) halvesDiffer += memcmp(&together[i], &halves[i], 4) != 0;
+		}
 		for (int r = 0; r < rows; r++) {
 			int ga = 0, gt = 0;
 			for (size_t i = 0; i < V; i++) {
@@ -485,9 +499,11 @@ static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char 
 		         relOf(&together[r * V], &alone[r * V], V));
 		byRow += buf;
 	}
-	const bool ok = rows <= maxRows && splitDiffer == 0 && orderDiffer == 0 && nan == 0 && rel < 5e-3 && argDiffer == 0 && pickDiffer == 0;
-	printf("check rows n_embd %d, heads %d/%d of %d, n_ff %d: %d rows (at most %d) in one pass: split differs in %d, reverse order in %d; against each row alone rel err %.1e, argmax differs in %d rows; greedy picks differ in %d; nonfinite %d: %s\n    by row, first layer/logits:%s\n",
-	       embd, nHead, nKV, hd, ffn, rows, maxRows, splitDiffer, orderDiffer, rel, argDiffer, pickDiffer, nan, ok ? "ok" : "FAIL", byRow.c_str());
+	const bool ok = rows <= maxRows && splitDiffer == 0 && orderDiffer == 0 && halvesDiffer == 0 && nan == 0 && rel < 5e-3 &&
+	                argDiffer == 0 && pickDiffer == 0;
+	printf("check rows n_embd %d, heads %d/%d of %d, n_ff %d: %d rows (at most %d) in one pass: split differs in %d, reverse order in %d, two passes in %d; against each row alone rel err %.1e, argmax differs in %d rows; greedy picks differ in %d; nonfinite %d: %s\n    by row, first layer/logits:%s\n",
+	       embd, nHead, nKV, hd, ffn, rows, maxRows, splitDiffer, orderDiffer, halvesDiffer, rel, argDiffer, pickDiffer, nan,
+	       ok ? "ok" : "FAIL", byRow.c_str());
 	mf_destroy(whole), mf_destroy(a), mf_destroy(b);
 	if (rowsSplits) unsetenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS"), printf("  (attention of several rows in up to %s splits)\n", rowsSplits);
 	return ok ? 0 : 1;
@@ -578,7 +594,7 @@ static void *randomDevice(int type, size_t bytes, float scale, uint64_t &seed, d
 	return p;
 }
 
-static const int kRowsMax = 8;
+static const int kRowsMax = 16;
 static double oneRow = 0;
 
 // bench times one model's steps: the 8B-class llama, or with big the
@@ -723,6 +739,13 @@ int main(int argc, char **argv) {
 		// Rows longer than kSplitK (down, 27648 columns): two launches.
 		bad |= checkRows(5120, 40, 8, 128, 8, nullptr, 27648);
 		bad |= checkRows(2048, 16, 4, 128, 3, nullptr, 17152); // 67 super-blocks: 34 + 33
+		// Two tiles of eight rows; down of 14336 and 27648 columns in two
+		// launches of one tile (9 rows: five and four).
+		bad |= checkRows(2048, 16, 4, 128, 16);
+		bad |= checkRows(2048, 32, 8, 64, 11);
+		bad |= checkRows(4096, 32, 8, 128, 16, nullptr, 14336);
+		bad |= checkRows(5120, 40, 8, 128, 9, nullptr, 27648);
+		bad |= checkRows(5120, 40, 8, 128, 16, nullptr, 27648);
 	}
 	if (!strcmp(what, "bench") || !strcmp(what, "all")) bad |= bench(false);
 	if (!strcmp(what, "bench32")) bad |= bench(true);
