@@ -54,25 +54,30 @@ func fusedTakes(b *stage.Batch, slots []int, last bool) bool {
 
 // fusedPassLimit is the most fused passes one batch takes; larger batches
 // run on ggml. MESHNODE_FUSED_PASSES (a count from 1 to 64) sets it for
-// experiments. A fused pass of eight rows (maxRows) costs about 1.8-1.9
-// one-row steps on an H200 for the 8B and the 32B model alike (runs 76,
-// 108), but ggml's pass of 32 rows costs 10.7 of the 8B model's one-row
-// steps and 5.6 of the 32B's, whose larger matrices keep its kernels
-// busier. So a model of n_embd up to 4096 (embd) takes four passes, 32
-// rows: four of eight decoded the 8B model at 32 streams at 2322 tok/s
-// against ggml's 1694 (run 91). Wider ones take two, and 32 rows go to
-// ggml: 32B, 659 tok/s against ggml's 743 (run 108), where its 16-row
-// micro-batches on two pipelined GPUs still run as two passes of eight.
-// Passes of four rows take two: four of them lost to ggml's pass of 16
-// (665 against 807 tok/s, the 32B model pipelined on two GPUs).
+// experiments. A fused pass of eight rows costs about 1.8-1.9 one-row
+// steps on an H200 for the 8B and the 32B model alike (runs 76, 108), but
+// ggml's pass of 32 rows costs 10.7 of the 8B model's one-row steps and
+// 5.6 of the 32B's, whose larger matrices keep its kernels busier. So a
+// model of n_embd up to 4096 (embd) takes 32 rows in fused passes: four
+// of eight decoded the 8B model at 32 streams at 2322 tok/s against
+// ggml's 1694 (run 91), two of sixteen at 2765 (run 115). Wider ones take
+// 16, and 32 rows go to ggml: 32B, four passes of eight 659 tok/s against
+// ggml's 743 (run 108), two of sixteen 688 against 773 (run 115). Passes
+// of fewer than eight rows (maxRows) take two: four of four rows lost to
+// ggml's pass of 16 (665 against 807 tok/s, the 32B model pipelined on
+// two GPUs).
 func fusedPassLimit(maxRows, embd int) int {
 	if n, err := strconv.Atoi(os.Getenv("MESHNODE_FUSED_PASSES")); err == nil && n >= 1 && n <= 64 {
 		return n
 	}
-	if maxRows >= 8 && embd <= 4096 {
-		return 4
+	if maxRows < 8 {
+		return 2
 	}
-	return 2
+	rows := 32
+	if embd > 4096 {
+		rows = 16
+	}
+	return max(1, rows/maxRows)
 }
 
 // fusedPassSizes splits a batch of n rows into fused passes of at most

@@ -139,7 +139,7 @@ type cudaFused struct {
 	h      *C.mf_engine
 	layers *C.mf_layer // C memory: the config points to it
 	errBuf *C.char
-	// maxRows is the most rows the C engine takes in one pass (8, fewer
+	// maxRows is the most rows the C engine takes in one pass (16, fewer
 	// where the mat-vecs' shared memory cannot hold more, or
 	// MESHNODE_FUSED_ROWS); at 1, passes of several rows run on ggml.
 	maxRows int
