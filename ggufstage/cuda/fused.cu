@@ -132,7 +132,8 @@ struct GemvArgs {
 	int sxqRow, sxdsRow;
 	float *kpart;
 	int *kcount;
-	int debug; // mf_profile: 1 skips the input's quantization (gemvMMA: its copy), 2 the dot products
+	int debug; // mf_profile: 1 skips the input's quantization (gemvMMA: its copy), 2 the dot products, 4 quantizeImage,
+	           // 8 gemvMMA's shares and sums of each unit
 };
 
 // Constant indices only: indexing the kernel's parameter arrays with a
@@ -620,7 +621,13 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 // columns (8 blocks, 144 bytes a row), kMmaStages of them in flight a warp.
 // Passes of two tiles (sixteen rows), whose input takes so much shared
 // memory that one block fits a multiprocessor, ran no faster with six
-// (run 116).
+// (run 116). Where the time goes (mf_profile's debug bits, 8B gate/up,
+// run 117): at eight rows 32.2 us, 26.3 without quantizeImage before it,
+// 20.8 without that, the input's copy or the dot products, 18.3 without
+// the shares and sums of each unit either, against 10.9 for a plain read
+// of the weights; at sixteen rows 61.2, 55.9, 46.8 and 19.4: with one block to a
+// multiprocessor, the warps that meet at each unit's barrier leave it
+// idle.
 constexpr int kMmaRows = 16, kMmaStageBytes = kMmaRows * 8 * kQ4Bytes, kMmaStages = 3;
 // The Q6_K head's passes of several rows: dp4a with a sum per row took 793
 // us at eight rows of the 8B model (137 at one, run 77), mma 302 (run 79).
@@ -876,6 +883,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 		// alternate between two buffers; the barrier of the next unit, which
 		// the summing warp reaches only when it is done, keeps a buffer from
 		// being written again too soon.
+		if (a.debug & 8) continue;
 		float4 *part = parts + (u & 1) * kWarps * NT * 32;
 #pragma unroll
 		for (int t = 0; t < NT; t++) part[(warp * NT + t) * 32 + lane] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
@@ -1651,7 +1659,7 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
 	if (a.mma) {
 		a.img = e->img;
-		launch(e, quantizeImage<kThreads>, nrows, kThreads, 0, a);
+		if (!(a.debug & 4)) launch(e, quantizeImage<kThreads>, nrows, kThreads, 0, a);
 	}
 	// QKV and gate/up (the Q4_0 mat-vecs with a norm) of a pass of fewer
 	// rows than the engine's most ask for the shared memory of the most:
@@ -1899,11 +1907,18 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 			img = std::max(img, imageBytes(a));
 		}
 		CE(cudaMalloc(&e->img, img));
-		// Sums of the matrices that gemvMMA takes in two launches: their
-		// rows, by the columns they have.
+		// Sums of the matrices that gemvMMA splits by columns (kParts):
+		// the most rows of any.
+		struct {
+			int type, k, total;
+		} mats[] = {{MF_Q4_0, c.embd, qd + 2 * kvd}, {MF_Q4_0, qd, c.embd}, {MF_Q4_0, c.embd, 2 * c.ffn}, {MF_Q4_0, c.ffn, c.embd},
+		            {c.out_type, c.embd, e->last ? c.vocab : 0}};
 		size_t kpart = 0;
-		if (c.embd > kSplitK) kpart = std::max<size_t>({kpart, (size_t)qd + 2 * kvd, 2 * (size_t)c.ffn, e->last ? (size_t)c.vocab : 0});
-		if (qd > kSplitK || c.ffn > kSplitK) kpart = std::max<size_t>(kpart, c.embd);
+		for (const auto &m : mats) {
+			GemvArgs a{};
+			gemvShape(a, m.type, m.k, kStore, e->threads, kTileRows);
+			if (a.kParts > 1) kpart = std::max<size_t>(kpart, m.total);
+		}
 		if (kpart) {
 			CE(cudaMalloc(&e->kpart, sizeof(float) * 2 * R * kpart));
 			CE(cudaMalloc(&e->kcount, sizeof(int) * (kpart / kMmaRows + 1)));
@@ -2062,7 +2077,7 @@ extern "C" void mf_profile_rows(mf_engine *e, int n) {
 			launchGemv(e, n, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, c.ffn, kSwiGLU);
 		}
 	});
-	for (int dbg = 1; dbg <= 3; dbg++) {
+	for (int dbg : {1, 2, 3, 4, 7, 15}) {
 		gemvDebug = dbg;
 		char name[32];
 		snprintf(name, sizeof name, "gate+up/%d", dbg);
