@@ -627,7 +627,11 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 // the shares and sums of each unit either, against 10.9 for a plain read
 // of the weights; at sixteen rows 61.2, 55.9, 46.8 and 19.4: with one block to a
 // multiprocessor, the warps that meet at each unit's barrier leave it
-// idle.
+// idle. Giving the two tiles to the two blocks of a pair instead, one
+// tile of input each, two blocks to a multiprocessor, taking the same
+// units at about the same time so that the second's weights might come
+// from L2, hardly helped: gate/up 57.3 against 59.5 us, down 35.7 against
+// 41.9, the pass 6.87 against 6.89 ms (run 121).
 constexpr int kMmaRows = 16, kMmaStageBytes = kMmaRows * 8 * kQ4Bytes, kMmaStages = 3;
 // The Q6_K head's passes of several rows: dp4a with a sum per row took 793
 // us at eight rows of the 8B model (137 at one, run 77), mma 302 (run 79).
