@@ -658,8 +658,8 @@ static int bench(bool big) {
 	mf_engine *e = create(c);
 	std::vector<float> logits(vocab);
 	const double fileBytes = bytes + embdBytes;
-	printf("bench %s-class: %.3f GB read per token (file %.3f GB), copy bandwidth %.0f GB/s\n", bytes / 1e9,
-	       big ? "32B" : "8B", fileBytes / 1e9, bw / 1e9);
+	printf("bench %s-class: %.3f GB read per token (file %.3f GB), copy bandwidth %.0f GB/s\n", big ? "32B" : "8B",
+	       bytes / 1e9, fileBytes / 1e9, bw / 1e9);
 	for (int n : {64, 2048, 576}) {
 		std::vector<int> used(n);
 		for (int i = 0; i < n; i++) used[i] = i;
