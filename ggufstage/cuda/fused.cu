@@ -130,6 +130,8 @@ struct GemvArgs {
 	// epilogue.
 	int kParts;
 	int sxqRow, sxdsRow;
+	int groups;    // gemvMMA: 1, or for two tiles where it fits 2 (see gemvMMA)
+	int mmaStages; // gemvMMA: stages in flight a warp
 	float *kpart;
 	int *kcount;
 	int debug; // mf_profile: 1 skips the input's quantization (gemvMMA: its copy), 2 the dot products, 4 quantizeImage,
@@ -631,7 +633,13 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 // tile of input each, two blocks to a multiprocessor, taking the same
 // units at about the same time so that the second's weights might come
 // from L2, hardly helped: gate/up 57.3 against 59.5 us, down 35.7 against
-// 41.9, the pass 6.87 against 6.89 ms (run 121).
+// 41.9, the pass 6.87 against 6.89 ms (run 121). What did help: blocks of
+// two groups of eight warps (gemvMMA's GROUPS), each group taking units of
+// its own and meeting at barriers of its own, over one copy of the input,
+// so that one group streams while the other waits: gate/up 46.3 against
+// 60.7 us, a pass of sixteen rows of the 8B model 6.03 against 6.89 ms, of
+// the 32B model 20.8 against 23.2 (run 122; three stages a warp for the
+// 8B model, two for the 32B's wider input).
 constexpr int kMmaRows = 16, kMmaStageBytes = kMmaRows * 8 * kQ4Bytes, kMmaStages = 3;
 // The Q6_K head's passes of several rows: dp4a with a sum per row took 793
 // us at eight rows of the 8B model (137 at one, run 77), mma 302 (run 79).
@@ -740,22 +748,25 @@ __device__ __forceinline__ void dotQ6MMA(const uint8_t *w0, const uint8_t *w1, i
 // The bytes of a gemvMMA pass's quantized input (quantizeImage).
 __host__ __device__ size_t imageBytes(const GemvArgs &a) { return (size_t)a.rowsCap * (a.xqRow + a.xdsRow * sizeof(float2)); }
 
-template <int THREADS, int TYPE, int NT>
+// GROUPS 2 (passes of two tiles, where it fits): the block is two groups
+// of eight warps that take units each of their own and meet at barriers of
+// their own, sharing one copy of the input.
+template <int THREADS, int TYPE, int NT, int GROUPS, int STAGES>
 __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a) {
 	static_assert(TYPE == MF_Q4_0 || TYPE == MF_Q6_K, "gemvMMA takes Q4_0 and Q6_K");
 	constexpr bool kQ6 = TYPE == MF_Q6_K;
-	constexpr int kWarps = THREADS / 32;
+	constexpr int kWarps = THREADS / 32 / GROUPS; // a group's
 	constexpr int kRowBytes = kQ6 ? kMma6RowBytes : 8 * kQ4Bytes, kStageBytes = kQ6 ? kMma6StageBytes : kMmaStageBytes;
 	constexpr int kPieces = kQ6 ? kMma6Pieces : kRowBytes / 16;
 	extern __shared__ __align__(16) uint8_t smem[];
-	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	const int wid = threadIdx.x >> 5, warp = wid % kWarps, grp = wid / kWarps, lane = threadIdx.x & 31;
 	const int g = lane >> 2, q = lane & 3; // the mma's groupID and thread in group
-	uint8_t *stages = smem + warp * kMmaStages * kStageBytes;
-	int8_t *xq = reinterpret_cast<int8_t *>(smem + kWarps * kMmaStages * kStageBytes);
+	uint8_t *stages = smem + wid * STAGES * kStageBytes;
+	int8_t *xq = reinterpret_cast<int8_t *>(smem + GROUPS * kWarps * STAGES * kStageBytes);
 	float2 *xds = reinterpret_cast<float2 *>(xq + a.rowsCap * a.sxqRow);
 	float *red = reinterpret_cast<float *>(xds + a.rowsCap * a.sxdsRow);
 	// [2][kWarps][NT][32]: each warp's share of a unit, by the unit's parity.
-	float4 *parts = reinterpret_cast<float4 *>(red + kRed);
+	float4 *parts = reinterpret_cast<float4 *>(red + kRed) + grp * 2 * kWarps * NT * 32; // the group's
 
 	// A block takes units of 16 matrix rows; its warps share each unit's
 	// columns, a super-block (256) a step, each warp a run of steps of its
@@ -766,8 +777,9 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	// Split (kParts 2): the block's half of the columns, and its place
 	// among the blocks of that half.
 	const int kp = a.kParts > 1 ? (int)(blockIdx.x & 1) : 0;
-	const int bi0 = a.kParts > 1 ? (int)(blockIdx.x >> 1) : (int)blockIdx.x;
-	const int grid = a.kParts > 1 ? (int)(gridDim.x >> 1) : (int)gridDim.x;
+	// bi0 and grid count groups.
+	const int bi0 = (a.kParts > 1 ? (int)(blockIdx.x >> 1) : (int)blockIdx.x) * GROUPS + grp;
+	const int grid = (a.kParts > 1 ? (int)(gridDim.x >> 1) : (int)gridDim.x) * GROUPS;
 	const int firstHalf = a.spr - a.spr / 2;
 	const int kb0 = kp ? firstHalf : 0, S = a.kParts > 1 ? (kp ? a.spr - firstHalf : firstHalf) : a.spr; // S: steps a unit takes
 	const int s0 = warp * S / kWarps, per = (warp + 1) * S / kWarps - s0;
@@ -777,7 +789,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	auto issue = [&](int k) {
 		if (k < steps) {
 			const int unit = bi0 + (k / per) * grid, sb = s0 + k % per;
-			uint8_t *dst = stages + (k % kMmaStages) * kStageBytes;
+			uint8_t *dst = stages + (k % STAGES) * kStageBytes;
 #pragma unroll
 			for (int i = 0; i < (kMmaRows * kPieces + 31) / 32; i++) {
 				const int c = lane + 32 * i;
@@ -799,7 +811,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	// The first weights go in flight while quantizeImage runs; the input's
 	// image comes once it is written.
 #pragma unroll
-	for (int k = 0; k < kMmaStages - 1; k++) issue(k);
+	for (int k = 0; k < STAGES - 1; k++) issue(k);
 	pdlLaunchNext();
 	pdlWait();
 	if (!(a.debug & 1) && a.kParts == 1) {
@@ -844,10 +856,10 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 		}
 		for (int j = 0; j < per; j++) {
 			const int k = u * per + j;
-			issue(k + kMmaStages - 1);
-			cpAsyncWait<kMmaStages - 1>();
+			issue(k + STAGES - 1);
+			cpAsyncWait<STAGES - 1>();
 			__syncwarp();
-			const uint8_t *st = stages + (k % kMmaStages) * kStageBytes;
+			const uint8_t *st = stages + (k % STAGES) * kStageBytes;
 			const int sb = s0 + j;
 			if constexpr (kQ6) {
 				if (!(a.debug & 2)) {
@@ -898,7 +910,10 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 		float4 *part = parts + (u & 1) * kWarps * NT * 32;
 #pragma unroll
 		for (int t = 0; t < NT; t++) part[(warp * NT + t) * 32 + lane] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
-		__syncthreads();
+		if constexpr (GROUPS == 1)
+			__syncthreads();
+		else
+			asm volatile("bar.sync %0, %1;\n" ::"r"(1 + grp), "n"(THREADS / GROUPS) : "memory");
 		if (warp == u % kWarps) {
 			float sum[NT][4];
 #pragma unroll
@@ -1535,6 +1550,9 @@ void launch(mf_engine *e, void (*kernel)(Args), dim3 grid, int threads, size_t s
 	cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
+// gemvMMA's most groups a block (MESHNODE_FUSED_GROUPS, 1 or 2).
+int mmaGroupsMax = 2;
+
 // copyWidth is the widest copy (16, 8 or 4 bytes) that every row's pieces
 // and their places in shared memory are aligned to, or 0 if none is. A
 // Q4_0 super-block is 144 bytes; a Q6_K one 210, so Q6_K rows take 16-byte
@@ -1572,6 +1590,8 @@ void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1)
 	a.threads = type == MF_Q6_K || k > 8192 ? kWideThreads : kThreads;
 	if (threads && type == MF_Q4_0) a.threads = threads; // the Q6_K head has only the wide kernel
 	if (a.mma) a.threads = kThreads, a.stageBytes = type == MF_Q6_K ? kMma6StageBytes : kMmaStageBytes;
+	a.groups = 1, a.mmaStages = kMmaStages;
+	if (a.mma && a.rowsCap > kTileRows && type == MF_Q4_0 && mmaGroupsMax > 1) a.groups = 2, a.threads = kWideThreads; // see fitShape
 	a.kParts = a.mma && k > kSplitK ? 2 : 1;
 	const int most = a.spr - a.spr / a.kParts * (a.kParts - 1); // the first half's super-blocks, the most
 	a.sxqRow = a.mma ? 256 * most + 16 : a.xqRow;
@@ -1583,7 +1603,7 @@ int tilesOf(const GemvArgs &a) { return a.rowsCap > kTileRows ? 2 : 1; }
 
 size_t gemvSmem(const GemvArgs &a) {
 	return (size_t)(a.threads / 32) *
-	           (a.mma ? kMmaStages * a.stageBytes + 2 * tilesOf(a) * 32 * sizeof(float4) : 2 * a.stageBytes) +
+	           (a.mma ? a.mmaStages * a.stageBytes + 2 * tilesOf(a) * 32 * sizeof(float4) : 2 * a.stageBytes) +
 	       (size_t)a.rowsCap * (a.sxqRow + a.sxdsRow * sizeof(float2)) + kRed * sizeof(float) +
 	       (a.norm && !a.normDirect && !a.mma ? (size_t)a.k * sizeof(float) : 0); // gemvMMA's norm is quantizeImage's
 }
@@ -1599,10 +1619,18 @@ void placeNorm(GemvArgs &a, int smemPerSM) {
 
 // fitShape places the norm and says whether the shape fits in a block's
 // shared memory.
+// gemvMMA in two groups takes three stages a warp, or two, or is one
+// group of eight warps, whichever fits first.
 bool fitShape(GemvArgs &a, int smemPerSM, int optin) {
-	placeNorm(a, smemPerSM);
-	if (a.norm && gemvSmem(a) > (size_t)optin) a.normDirect = 1;
-	return gemvSmem(a) <= (size_t)optin;
+	for (;;) {
+		placeNorm(a, smemPerSM);
+		if (a.norm && gemvSmem(a) > (size_t)optin) a.normDirect = 1;
+		if (gemvSmem(a) <= (size_t)optin || a.groups == 1) return gemvSmem(a) <= (size_t)optin;
+		if (a.mmaStages > 2)
+			a.mmaStages = 2;
+		else
+			a.groups = 1, a.threads = kThreads, a.mmaStages = kMmaStages;
+	}
 }
 
 // Blocks of the shape a multiprocessor holds at once.
@@ -1618,8 +1646,10 @@ template <int THREADS> void (*gemvByType(const GemvArgs &a))(GemvArgs) {
 	return gemv<MF_Q6_K, THREADS, 4>;
 }
 void (*gemvFor(const GemvArgs &a))(GemvArgs) {
-	if (a.mma && tilesOf(a) == 2) return a.type == MF_Q6_K ? gemvMMA<kThreads, MF_Q6_K, 2> : gemvMMA<kThreads, MF_Q4_0, 2>;
-	if (a.mma) return a.type == MF_Q6_K ? gemvMMA<kThreads, MF_Q6_K, 1> : gemvMMA<kThreads, MF_Q4_0, 1>;
+	if (a.mma && a.groups == 2) return a.mmaStages == 3 ? gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 3> : gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 2>;
+	if (a.mma && tilesOf(a) == 2)
+		return a.type == MF_Q6_K ? gemvMMA<kThreads, MF_Q6_K, 2, 1, kMmaStages> : gemvMMA<kThreads, MF_Q4_0, 2, 1, kMmaStages>;
+	if (a.mma) return a.type == MF_Q6_K ? gemvMMA<kThreads, MF_Q6_K, 1, 1, kMmaStages> : gemvMMA<kThreads, MF_Q4_0, 1, 1, kMmaStages>;
 	return a.threads == kWideThreads ? gemvByType<kWideThreads>(a) : gemvByType<kThreads>(a);
 }
 
@@ -1822,6 +1852,7 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	if (!e) return errf(err, errlen, "out of memory"), 1;
 	e->c = *cfg;
 	if (const char *v = getenv("MESHNODE_FUSED_PDL")) e->pdl = atoi(v) != 0;
+	if (const char *v = getenv("MESHNODE_FUSED_GROUPS")) mmaGroupsMax = atoi(v) == 1 ? 1 : 2;
 	if (const char *v = getenv("MESHNODE_FUSED_LATE")) e->late = atoi(v) != 0;
 	if (const char *v = getenv("MESHNODE_FUSED_TIMING")) e->timing = atoi(v) > 0 ? atoi(v) : 0;
 	if (const char *v = getenv("MESHNODE_FUSED_ATTN_CELLS")) e->attnCells = atoi(v) >= 1 ? atoi(v) : kCellsPerSplit;
@@ -1885,7 +1916,9 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	               gemv<MF_Q6_K, kThreads, 8>, gemv<MF_Q6_K, kThreads, 4>, gemv<MF_Q6_K, kWideThreads, 16>,
 	               gemv<MF_Q6_K, kWideThreads, 8>, gemv<MF_Q6_K, kWideThreads, 4>})
 		CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
-	for (auto k : {gemvMMA<kThreads, MF_Q4_0, 1>, gemvMMA<kThreads, MF_Q6_K, 1>, gemvMMA<kThreads, MF_Q4_0, 2>, gemvMMA<kThreads, MF_Q6_K, 2>})
+	for (auto k : {gemvMMA<kThreads, MF_Q4_0, 1, 1, kMmaStages>, gemvMMA<kThreads, MF_Q6_K, 1, 1, kMmaStages>,
+	               gemvMMA<kThreads, MF_Q4_0, 2, 1, kMmaStages>, gemvMMA<kThreads, MF_Q6_K, 2, 1, kMmaStages>,
+	               gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 3>, gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 2>})
 		CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
 	{
 		int perSM = 0;
