@@ -748,8 +748,9 @@ __device__ __forceinline__ void dotQ6MMA(const uint8_t *w0, const uint8_t *w1, i
 // The bytes of a gemvMMA pass's quantized input (quantizeImage).
 __host__ __device__ size_t imageBytes(const GemvArgs &a) { return (size_t)a.rowsCap * (a.xqRow + a.xdsRow * sizeof(float2)); }
 
-// GROUPS 2 (passes of two tiles, where it fits): the block is two groups
-// of eight warps that take units each of their own and meet at barriers of
+// GROUPS 2 (where a block of one group would be alone on its
+// multiprocessor, and two fit: see fitShape): the block is two groups of
+// eight warps that take units each of their own and meet at barriers of
 // their own, sharing one copy of the input.
 template <int THREADS, int TYPE, int NT, int GROUPS, int STAGES>
 __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a) {
@@ -1590,8 +1591,7 @@ void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1)
 	a.threads = type == MF_Q6_K || k > 8192 ? kWideThreads : kThreads;
 	if (threads && type == MF_Q4_0) a.threads = threads; // the Q6_K head has only the wide kernel
 	if (a.mma) a.threads = kThreads, a.stageBytes = type == MF_Q6_K ? kMma6StageBytes : kMmaStageBytes;
-	a.groups = 1, a.mmaStages = kMmaStages;
-	if (a.mma && a.rowsCap > kTileRows && type == MF_Q4_0 && mmaGroupsMax > 1) a.groups = 2, a.threads = kWideThreads; // see fitShape
+	a.groups = 1, a.mmaStages = kMmaStages; // see fitShape
 	a.kParts = a.mma && k > kSplitK ? 2 : 1;
 	const int most = a.spr - a.spr / a.kParts * (a.kParts - 1); // the first half's super-blocks, the most
 	a.sxqRow = a.mma ? 256 * most + 16 : a.xqRow;
@@ -1619,18 +1619,29 @@ void placeNorm(GemvArgs &a, int smemPerSM) {
 
 // fitShape places the norm and says whether the shape fits in a block's
 // shared memory.
-// gemvMMA in two groups takes three stages a warp, or two, or is one
-// group of eight warps, whichever fits first.
+// fitShape also picks gemvMMA's shape for Q4_0: one group of eight warps
+// with three stages a warp where two such blocks fit a multiprocessor and
+// the pass is one tile; else two groups (see gemvMMA) of three stages, or
+// of two, whichever fits first; else one group. Run 125: two groups took
+// the 32B model's down projection of eight rows (two stages) from 53.2 to
+// 50.2 us; for the 8B model's, whose input only fit beside one buffer of
+// shares and two barriers a unit, they took 21.5 against 21.1.
 bool fitShape(GemvArgs &a, int smemPerSM, int optin) {
-	for (;;) {
+	auto fits = [&] {
 		placeNorm(a, smemPerSM);
 		if (a.norm && gemvSmem(a) > (size_t)optin) a.normDirect = 1;
-		if (gemvSmem(a) <= (size_t)optin || a.groups == 1) return gemvSmem(a) <= (size_t)optin;
-		if (a.mmaStages > 2)
-			a.mmaStages = 2;
-		else
-			a.groups = 1, a.threads = kThreads, a.mmaStages = kMmaStages;
+		return gemvSmem(a) <= (size_t)optin;
+	};
+	auto shape = [&](int groups, int stages) { a.groups = groups, a.threads = groups * kThreads, a.mmaStages = stages; };
+	if (!a.mma || a.type != MF_Q4_0 || mmaGroupsMax < 2) return fits();
+	shape(1, kMmaStages);
+	if (a.rowsCap <= kTileRows && fits() && 2 * (gemvSmem(a) + 1024) <= (size_t)smemPerSM) return true;
+	for (int stages : {3, 2}) {
+		shape(2, stages);
+		if (fits()) return true;
 	}
+	shape(1, kMmaStages);
+	return fits();
 }
 
 // Blocks of the shape a multiprocessor holds at once.
@@ -1646,7 +1657,10 @@ template <int THREADS> void (*gemvByType(const GemvArgs &a))(GemvArgs) {
 	return gemv<MF_Q6_K, THREADS, 4>;
 }
 void (*gemvFor(const GemvArgs &a))(GemvArgs) {
-	if (a.mma && a.groups == 2) return a.mmaStages == 3 ? gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 3> : gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 2>;
+	if (a.mma && a.groups == 2 && tilesOf(a) == 2)
+		return a.mmaStages == 3 ? gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 3> : gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 2>;
+	if (a.mma && a.groups == 2)
+		return a.mmaStages == 3 ? gemvMMA<kWideThreads, MF_Q4_0, 1, 2, 3> : gemvMMA<kWideThreads, MF_Q4_0, 1, 2, 2>;
 	if (a.mma && tilesOf(a) == 2)
 		return a.type == MF_Q6_K ? gemvMMA<kThreads, MF_Q6_K, 2, 1, kMmaStages> : gemvMMA<kThreads, MF_Q4_0, 2, 1, kMmaStages>;
 	if (a.mma) return a.type == MF_Q6_K ? gemvMMA<kThreads, MF_Q6_K, 1, 1, kMmaStages> : gemvMMA<kThreads, MF_Q4_0, 1, 1, kMmaStages>;
@@ -1918,7 +1932,8 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
 	for (auto k : {gemvMMA<kThreads, MF_Q4_0, 1, 1, kMmaStages>, gemvMMA<kThreads, MF_Q6_K, 1, 1, kMmaStages>,
 	               gemvMMA<kThreads, MF_Q4_0, 2, 1, kMmaStages>, gemvMMA<kThreads, MF_Q6_K, 2, 1, kMmaStages>,
-	               gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 3>, gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 2>})
+	               gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 3>, gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 2>,
+	               gemvMMA<kWideThreads, MF_Q4_0, 1, 2, 3>, gemvMMA<kWideThreads, MF_Q4_0, 1, 2, 2>})
 		CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
 	{
 		int perSM = 0;
