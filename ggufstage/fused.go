@@ -54,18 +54,16 @@ func fusedTakes(b *stage.Batch, slots []int, last bool) bool {
 
 // fusedPassLimit is the most fused passes one batch takes; larger batches
 // run on ggml. MESHNODE_FUSED_PASSES (a count from 1 to 64) sets it for
-// experiments. A fused pass of eight rows costs about 1.8-1.9 one-row
-// steps on an H200 for the 8B and the 32B model alike (runs 76, 108), but
-// ggml's pass of 32 rows costs 10.7 of the 8B model's one-row steps and
-// 5.6 of the 32B's, whose larger matrices keep its kernels busier. So a
-// model of n_embd up to 4096 (embd) takes 32 rows in fused passes: four
-// of eight decoded the 8B model at 32 streams at 2322 tok/s against
-// ggml's 1694 (run 91), two of sixteen at 2765 (run 115). Wider ones take
-// 16, and 32 rows go to ggml: 32B, four passes of eight 659 tok/s against
-// ggml's 743 (run 108), two of sixteen 688 against 773 (run 115). Passes
-// of fewer than eight rows (maxRows) take two: four of four rows lost to
-// ggml's pass of 16 (665 against 807 tok/s, the 32B model pipelined on
-// two GPUs).
+// experiments. A batch takes up to 32 rows in fused passes. On an H200 the
+// 8B model at 32 streams decoded at 2322 tok/s in four passes of eight
+// against ggml's 1694 (run 91), at 3331 in two of sixteen (run 124); the
+// 32B model at 883 in two of sixteen against ggml's 785 (run 124). But a
+// model wider than n_embd 4096 (embd) whose passes take only eight rows
+// (maxRows) takes 16 rows: four passes of eight of the 32B model lost to
+// ggml's pass of 32 (659 against 743 tok/s, run 108), whose larger
+// matrices keep its kernels busier. Passes of fewer than eight rows take
+// two: four of four rows lost to ggml's pass of 16 (665 against 807 tok/s,
+// the 32B model pipelined on two GPUs).
 func fusedPassLimit(maxRows, embd int) int {
 	if n, err := strconv.Atoi(os.Getenv("MESHNODE_FUSED_PASSES")); err == nil && n >= 1 && n <= 64 {
 		return n
@@ -74,7 +72,7 @@ func fusedPassLimit(maxRows, embd int) int {
 		return 2
 	}
 	rows := 32
-	if embd > 4096 {
+	if embd > 4096 && maxRows < 16 {
 		rows = 16
 	}
 	return max(1, rows/maxRows)

@@ -281,9 +281,9 @@ func TestFusedPassSizes(t *testing.T) {
 }
 
 // TestFusedPassLimit: MESHNODE_FUSED_PASSES sets the limit where it is a
-// count from 1 to 64; anything else leaves the default: passes of eight
-// rows or more take 32 rows of a model of n_embd up to 4096, 16 of a wider
-// one; passes of fewer take two.
+// count from 1 to 64; anything else leaves the default: passes of sixteen
+// rows take 32 rows, passes of eight 32 rows of a model of n_embd up to
+// 4096 and 16 of a wider one; passes of fewer take two.
 func TestFusedPassLimit(t *testing.T) {
 	tests := []struct {
 		env     string
@@ -294,8 +294,9 @@ func TestFusedPassLimit(t *testing.T) {
 		{"", 8, 4096, 4},
 		{"", 8, 2048, 4},
 		{"", 16, 4096, 2},
-		{"", 16, 5120, 1},
+		{"", 16, 5120, 2},
 		{"", 32, 5120, 1},
+		{"", 32, 2048, 1},
 		{"", 8, 5120, 2},
 		{"", 8, 8192, 2},
 		{"", 4, 4096, 2},
