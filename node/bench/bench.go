@@ -264,7 +264,7 @@ func measure(r runner, cfg Config, n int, seed uint64) (prefill, decode float64,
 		if err != nil {
 			return 0, 0, err
 		}
-		last[i] = argmax(logits)
+		last[i] = stage.GreedyPick(logits)
 	}
 	prefill = float64(n*cfg.PromptTokens) / time.Since(start).Seconds()
 
@@ -282,21 +282,11 @@ func measure(r runner, cfg Config, n int, seed uint64) (prefill, decode float64,
 			return 0, 0, err
 		}
 		for i := range seqs {
-			last[i] = argmax(logits[i*vocab : (i+1)*vocab])
+			last[i] = stage.GreedyPick(logits[i*vocab : (i+1)*vocab])
 		}
 	}
 	decode = float64(n*cfg.DecodeTokens) / time.Since(start).Seconds()
 	return prefill, decode, nil
-}
-
-func argmax(x []float32) int32 {
-	best := 0
-	for i, v := range x {
-		if v > x[best] {
-			best = i
-		}
-	}
-	return int32(best)
 }
 
 // Print writes the table with meshnode's ratios to each reference engine
