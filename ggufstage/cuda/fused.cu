@@ -1645,8 +1645,7 @@ void placeNorm(GemvArgs &a, int smemPerSM) {
 }
 
 // fitShape places the norm and says whether the shape fits in a block's
-// shared memory.
-// fitShape also picks gemvMMA's shape for Q4_0: one group of eight warps
+// shared memory. It also picks gemvMMA's shape for Q4_0: one group of eight warps
 // with three stages a warp where two such blocks fit a multiprocessor and
 // the pass is one tile; else two groups (see gemvMMA) of three stages, or
 // of two, whichever fits first; else one group. Run 125: two groups took
@@ -1714,13 +1713,19 @@ bool fitsRows(int type, int k, const void *norm, int threads, int rows, int smem
 	return fitShape(a, smemSM, optin);
 }
 
+// oneLaunch says whether launchGemv takes a pass of nrows rows in one
+// launch, not two of one tile each (see kMaxRows).
+bool oneLaunch(const mf_engine *e, int type, int k, const void *norm, int nrows) {
+	return nrows <= kTileRows || fitsRows(type, k, norm, e->threads, nrows, e->smemSM, e->smemOptin);
+}
+
 // launchGemv queues y = W x for nrows inputs: row r of x at r*k, of y at
 // r*yStride.
 // quantized: the pass's input is in e->img already (see launchAttention).
 void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const void *w2, int r0, int r1, int r2, int k,
                 int type, const float *x, const float *norm, float *y, int yStride, int epi, const void *const *bias = nullptr,
                 bool quantized = false) {
-	if (nrows > kTileRows && !fitsRows(type, k, norm, e->threads, nrows, e->smemSM, e->smemOptin)) {
+	if (!oneLaunch(e, type, k, norm, nrows)) {
 		// Two launches of one tile each (see kMaxRows), both of at least
 		// two rows, so that both run gemvMMA.
 		const int n0 = (nrows + 1) / 2;
@@ -1823,7 +1828,7 @@ void enqueue(mf_engine *e, int n) {
 		// passes of eight rows of the 8B model 3.62 against 3.65 ms, of
 		// sixteen 6.10 against 6.21; of the 32B model 11.52 against 11.70
 		// and 19.88 against 20.11 (run 126).
-		const bool oneO = n > 1 && (n <= kTileRows || fitsRows(MF_Q4_0, qd, nullptr, e->threads, n, e->smemSM, e->smemOptin));
+		const bool oneO = n > 1 && oneLaunch(e, MF_Q4_0, qd, nullptr, n);
 		const bool quantized = launchAttention(e, L, n, oneO && e->quantO);
 		launchGemv(e, n, L.wo, nullptr, nullptr, c.embd, 0, 0, qd, MF_Q4_0, e->att, nullptr, e->x, c.embd, kAdd, nullptr, quantized);
 		launchGemv(e, n, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, c.ffn,
