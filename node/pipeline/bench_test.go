@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"context"
+	"fmt"
 	"testing"
 
 	"github.com/meshnode/meshnode/stage"
@@ -113,4 +114,67 @@ func (e instantEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output
 		logits[i*info.Vocab+1] = 1
 	}
 	return &stage.Output{Logits: logits}, nil
+}
+
+// wideEngine is instantEngine with the hidden state of a wider model, as
+// an 8B model's stages send each other (n_embd 4096), and greedy picks
+// from the last stage when asked, as a GPU stage gives them.
+type wideEngine struct {
+	stage.Engine
+	embd int
+}
+
+func (e wideEngine) Info() stage.Info {
+	info := e.Engine.Info()
+	info.Embd = e.embd
+	return info
+}
+
+func (e wideEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output, error) {
+	info := e.Info()
+	if !info.Last() {
+		h, err := stage.NewActivation(stage.F32, b.Rows(), info.Embd, make([]float32, b.Rows()*info.Embd))
+		return &stage.Output{Hidden: h}, err
+	}
+	if b.PicksOnly {
+		return &stage.Output{Picks: make([]int32, len(b.Outputs))}, nil
+	}
+	logits := make([]float32, len(b.Outputs)*info.Vocab)
+	return &stage.Output{Logits: logits}, nil
+}
+
+// BenchmarkWideStep measures a pipeline's own cost per decode step with
+// the hidden state of an 8B model (n_embd 4096, f32 on the wire: 16 KiB a
+// row), for one row and for a 16-row micro-batch, through two stages that
+// answer at once, hop 0 in process as on a node. Greedy sampling, so the
+// last stage returns picks.
+func BenchmarkWideStep(b *testing.B) {
+	wide := stageOpts{wrap: func(e stage.Engine) stage.Engine { return wideEngine{e, 4096} }, maxSeqs: 16}
+	for _, rows := range []int{1, 16} {
+		b.Run(fmt.Sprintf("rows=%d", rows), func(b *testing.B) {
+			m := newMesh(b, []int{0, 2, 5}, engineOpts, wide, wide)
+			p := m.pipeline(b, Config{Dial: m.dialHop0InProcess(), WireDType: stage.F32})
+			step := &stage.Batch{}
+			for r := range rows {
+				seq := stage.SeqID(r + 1)
+				if err := p.Open(seq, greedy(), []int32{1}); err != nil {
+					b.Fatal(err)
+				}
+				step.Seqs = append(step.Seqs, seq)
+				step.Pos = append(step.Pos, 0)
+				step.Tokens = append(step.Tokens, 1)
+				step.Outputs = append(step.Outputs, r)
+			}
+			b.SetBytes(int64(rows * 4096 * 4))
+			b.ResetTimer()
+			for i := range b.N {
+				for r := range step.Pos {
+					step.Pos[r] = int32(i % 200)
+				}
+				if _, err := p.Forward(context.Background(), step); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
 }
