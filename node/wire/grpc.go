@@ -2,6 +2,7 @@ package wire
 
 import (
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/experimental"
 
 	"github.com/meshnode/meshnode/stage"
 )
@@ -24,9 +25,12 @@ const (
 
 // ServerOptions sets a StageService server's message size limits to
 // MaxFrameBytes (a larger message fails its stream with ResourceExhausted
-// and leaves the server serving) and its flow-control windows.
+// and leaves the server serving), its flow-control windows and its buffer
+// pool (see pool.go).
 func ServerOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
+		experimental.BufferPool(stagePool),
+		grpc.ForceServerCodecV2(codec{}),
 		grpc.MaxRecvMsgSize(MaxFrameBytes),
 		grpc.MaxSendMsgSize(MaxFrameBytes),
 		grpc.InitialWindowSize(streamWindow),
@@ -35,10 +39,11 @@ func ServerOptions() []grpc.ServerOption {
 }
 
 // DialOptions sets a StageService client's message size limits to
-// MaxFrameBytes, and its flow-control windows.
+// MaxFrameBytes, its flow-control windows and its buffer pool.
 func DialOptions() []grpc.DialOption {
 	return []grpc.DialOption{
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxFrameBytes), grpc.MaxCallSendMsgSize(MaxFrameBytes)),
+		experimental.WithBufferPool(stagePool),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxFrameBytes), grpc.MaxCallSendMsgSize(MaxFrameBytes), grpc.ForceCodecV2(codec{})),
 		grpc.WithInitialWindowSize(streamWindow),
 		grpc.WithInitialConnWindowSize(connWindow),
 	}
