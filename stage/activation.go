@@ -115,14 +115,16 @@ func Encode(dtype DType, f []float32, dst []byte) ([]byte, error) {
 	if size == 0 {
 		return nil, fmt.Errorf("stage: cannot encode dtype %d", uint8(dtype))
 	}
+	if dtype == F32 && littleEndian {
+		// append copies into the new memory without clearing it first,
+		// as slices.Grow does (a 16-row micro-batch of an 8B model is 256
+		// KiB a hop).
+		return append(dst, floatBytes(f)...), nil
+	}
 	dst = slices.Grow(dst, len(f)*size)[:n+len(f)*size]
 	out := dst[n:]
 	switch dtype {
 	case F32:
-		if littleEndian {
-			copy(out, floatBytes(f))
-			break
-		}
 		for i, v := range f {
 			binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(v))
 		}
@@ -146,12 +148,17 @@ func Decode(dtype DType, data []byte, dst []float32) ([]float32, error) {
 		return nil, errors.New("stage: payload is not a whole number of elements")
 	}
 	n := len(data) / size
+	if p := unsafe.SliceData(data); dtype == F32 && littleEndian && uintptr(unsafe.Pointer(p))%4 == 0 {
+		// data is float32s already: append them, which does not clear
+		// the new memory first.
+		return append(dst, unsafe.Slice((*float32)(unsafe.Pointer(p)), n)...), nil
+	}
 	base := len(dst)
 	dst = slices.Grow(dst, n)[:base+n]
 	out := dst[base:]
 	switch dtype {
 	case F32:
-		if littleEndian {
+		if littleEndian { // data is not aligned for float32s
 			copy(floatBytes(out), data)
 			break
 		}

@@ -378,7 +378,8 @@ func TestCodecF16Loops(t *testing.T) {
 }
 
 // TestCodecF32Bits: F32 crosses bit for bit, NaN payloads and signed zeros
-// included, into a buffer with room to spare and one without.
+// included, into a buffer with room to spare and one without (so that
+// Decode reads the bytes both aligned for float32s and not).
 func TestCodecF32Bits(t *testing.T) {
 	bits := []uint32{0, 0x80000000, 0x7fc00001, 0xffbfffff, 0x7f800000, 0x00000001, 0x3f800000, 0xc2f6e979}
 	in := make([]float32, len(bits))
