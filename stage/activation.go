@@ -108,6 +108,21 @@ func (a *Activation) Float32() ([]float32, error) {
 	return Decode(a.DType, a.Data, nil)
 }
 
+// Float32Shared is Float32 without its copy where none is needed: an F32
+// activation on a little-endian host, its Data aligned for float32s, is
+// returned as the float32s it holds, sharing a's memory (a hop's 16-row
+// micro-batch of an 8B model is 256 KiB). Neither the result nor a.Data
+// may be changed while the other is in use.
+func (a *Activation) Float32Shared() ([]float32, error) {
+	if err := a.Validate(); err != nil {
+		return nil, err
+	}
+	if p := unsafe.SliceData(a.Data); a.DType == F32 && littleEndian && uintptr(unsafe.Pointer(p))%4 == 0 {
+		return unsafe.Slice((*float32)(unsafe.Pointer(p)), len(a.Data)/4), nil
+	}
+	return Decode(a.DType, a.Data, nil)
+}
+
 // Encode appends f encoded as dtype to dst.
 func Encode(dtype DType, f []float32, dst []byte) ([]byte, error) {
 	n := len(dst)

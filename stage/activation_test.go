@@ -8,6 +8,7 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"unsafe"
 )
 
 // halfValue decodes an IEEE 754 binary16 from its fields with float64
@@ -530,5 +531,55 @@ func BenchmarkCodec(b *testing.B) {
 				out, _ = Decode(dt, data, out[:0])
 			}
 		})
+	}
+}
+
+// TestFloat32Shared: an aligned F32 activation's float32s share its memory;
+// misaligned or other dtypes are decoded into new memory; both give
+// Float32's values, and a bad activation is refused.
+func TestFloat32Shared(t *testing.T) {
+	in := []float32{1, -2.5, float32(math.Inf(1)), 3e-40}
+	buf := make([]byte, 4*len(in)+1)
+	tests := []struct {
+		name   string
+		dtype  DType
+		data   []byte
+		shared bool
+	}{
+		{"f32 aligned", F32, buf[:4*len(in)], littleEndian},
+		{"f32 misaligned", F32, buf[1:], false},
+		{"f16", F16, nil, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			data, err := Encode(tc.dtype, in, tc.data[:0])
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := &Activation{DType: tc.dtype, Rows: 2, Cols: 2, Data: data}
+			want, err := a.Float32()
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := a.Float32Shared()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != len(want) {
+				t.Fatalf("%d values, want %d", len(got), len(want))
+			}
+			for i := range want {
+				if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+					t.Fatalf("value %d: %v, want %v", i, got[i], want[i])
+				}
+			}
+			shares := unsafe.Pointer(unsafe.SliceData(got)) == unsafe.Pointer(unsafe.SliceData(a.Data))
+			if shares != tc.shared {
+				t.Fatalf("shares the payload: %v, want %v", shares, tc.shared)
+			}
+		})
+	}
+	if _, err := (&Activation{DType: F32, Rows: 2, Cols: 2, Data: make([]byte, 15)}).Float32Shared(); err == nil {
+		t.Fatal("short payload: no error")
 	}
 }

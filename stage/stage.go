@@ -246,7 +246,9 @@ func (m Memory) Total(tokens int) uint64 {
 
 // Prepare is what every engine does before a forward pass: it validates the
 // batch against the engine (info, at most maxRows rows), decodes the
-// incoming hidden states (nil for the first stage), and checks ctx.
+// incoming hidden states (nil for the first stage), and checks ctx. The
+// hidden states may share b.Hidden's memory (Activation.Float32Shared):
+// engines read them, never write them.
 func Prepare(ctx context.Context, b *Batch, info Info, maxRows int) (hidden []float32, err error) {
 	if err := b.Validate(info); err != nil {
 		return nil, err
@@ -255,7 +257,7 @@ func Prepare(ctx context.Context, b *Batch, info Info, maxRows int) (hidden []fl
 		return nil, fmt.Errorf("stage: batch of %d rows is over the engine's %d", b.Rows(), maxRows)
 	}
 	if !info.First() {
-		if hidden, err = b.Hidden.Float32(); err != nil {
+		if hidden, err = b.Hidden.Float32Shared(); err != nil {
 			return nil, err
 		}
 	}
