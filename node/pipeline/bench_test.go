@@ -4,7 +4,15 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/meshnode/meshnode/ggufstage"
+	"github.com/meshnode/meshnode/node/host"
+	"github.com/meshnode/meshnode/node/wire"
+	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
 	"github.com/meshnode/meshnode/stage"
 )
 
@@ -146,35 +154,98 @@ func (e wideEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output, e
 // BenchmarkWideStep measures a pipeline's own cost per decode step with
 // the hidden state of an 8B model (n_embd 4096, f32 on the wire: 16 KiB a
 // row), for one row and for a 16-row micro-batch, through two stages that
-// answer at once, hop 0 in process as on a node. Greedy sampling, so the
-// last stage returns picks.
+// answer at once, hop 0 in process as on a node: over loopback TCP, and
+// over libp2p between two hosts of one mesh (the mesh's transport: its
+// link cipher, TLS and yamux). Greedy sampling, so the last stage returns
+// picks.
 func BenchmarkWideStep(b *testing.B) {
-	wide := stageOpts{wrap: func(e stage.Engine) stage.Engine { return wideEngine{e, 4096} }, maxSeqs: 16}
-	for _, rows := range []int{1, 16} {
-		b.Run(fmt.Sprintf("rows=%d", rows), func(b *testing.B) {
-			m := newMesh(b, []int{0, 2, 5}, engineOpts, wide, wide)
-			p := m.pipeline(b, Config{Dial: m.dialHop0InProcess(), WireDType: stage.F32})
-			step := &stage.Batch{}
-			for r := range rows {
-				seq := stage.SeqID(r + 1)
-				if err := p.Open(seq, greedy(), []int32{1}); err != nil {
-					b.Fatal(err)
+	for _, via := range []string{"tcp", "libp2p"} {
+		for _, rows := range []int{1, 16} {
+			b.Run(fmt.Sprintf("%s/rows=%d", via, rows), func(b *testing.B) {
+				var p *Pipeline
+				if via == "tcp" {
+					wide := stageOpts{wrap: func(e stage.Engine) stage.Engine { return wideEngine{e, 4096} }, maxSeqs: 16}
+					m := newMesh(b, []int{0, 2, 5}, engineOpts, wide, wide)
+					p = m.pipeline(b, Config{Dial: m.dialHop0InProcess(), WireDType: stage.F32})
+				} else {
+					p = libp2pPipeline(b, 4096)
 				}
-				step.Seqs = append(step.Seqs, seq)
-				step.Pos = append(step.Pos, 0)
-				step.Tokens = append(step.Tokens, 1)
-				step.Outputs = append(step.Outputs, r)
-			}
-			b.SetBytes(int64(rows * 4096 * 4))
-			b.ResetTimer()
-			for i := range b.N {
-				for r := range step.Pos {
-					step.Pos[r] = int32(i % 200)
+				step := &stage.Batch{}
+				for r := range rows {
+					seq := stage.SeqID(r + 1)
+					if err := p.Open(seq, greedy(), []int32{1}); err != nil {
+						b.Fatal(err)
+					}
+					step.Seqs = append(step.Seqs, seq)
+					step.Pos = append(step.Pos, 0)
+					step.Tokens = append(step.Tokens, 1)
+					step.Outputs = append(step.Outputs, r)
 				}
-				if _, err := p.Forward(context.Background(), step); err != nil {
-					b.Fatal(err)
+				b.SetBytes(int64(rows * 4096 * 4))
+				b.ResetTimer()
+				for i := range b.N {
+					for r := range step.Pos {
+						step.Pos[r] = int32(i % 200)
+					}
+					if _, err := p.Forward(context.Background(), step); err != nil {
+						b.Fatal(err)
+					}
 				}
-			}
-		})
+			})
+		}
 	}
+}
+
+// libp2pPipeline is a two-stage pipeline of wideEngines on two libp2p
+// hosts of one mesh, as two nodes run it: stage 0 and the origin share the
+// first host (hop 0 in process), stage 1 is served by the second.
+func libp2pPipeline(b *testing.B, embd int) *Pipeline {
+	const proto = "/meshnode/bench-stage/1"
+	key, err := host.GenerateMeshKey()
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	hosts := make([]*host.Host, 2)
+	for i := range hosts {
+		if hosts[i], err = host.New(ctx, host.Config{DataDir: b.TempDir(), Listen: []string{"/ip4/127.0.0.1/tcp/0"}, MeshKey: key}); err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { hosts[i].Close() })
+	}
+	if _, err := hosts[0].Connect(ctx, hosts[1].Addrs()[0].String()); err != nil {
+		b.Fatal(err)
+	}
+	conns := NewConns(grpc.WithContextDialer(hosts[0].GRPCDialer(proto)), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	b.Cleanup(func() { conns.Close() })
+	engines := openEngines(b, []int{0, 2, 5}, ggufstage.Options{Threads: 1, MaxSeqs: 16, Context: 256})
+	self := hosts[0].ID().String()
+	var local *Server
+	dial := func(ctx context.Context, peer string) (grpc.ClientConnInterface, error) {
+		if peer == self {
+			return InProcess(local), nil
+		}
+		return conns.Dial(ctx, "passthrough:///"+peer)
+	}
+	srvs := make([]*Server, 2)
+	for i, e := range engines {
+		if srvs[i], err = NewServer(ServerConfig{Engine: wideEngine{serialEngine{e}, embd}, Dial: dial, ModelID: "stories260K", ModelHash: "test-hash"}); err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { srvs[i].Close() })
+	}
+	local = srvs[0]
+	gs := grpc.NewServer(wire.ServerOptions()...)
+	meshnodev1.RegisterStageServiceServer(gs, srvs[1])
+	go gs.Serve(hosts[1].Listen(proto))
+	b.Cleanup(gs.Stop)
+	p, err := New(ctx, Config{Dial: dial, WireDType: stage.F32, StepTimeout: 10 * time.Second, Route: []Hop{
+		{Peer: self, Start: 0, End: 2}, {Peer: hosts[1].ID().String(), Start: 2, End: 5},
+	}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { p.Close() })
+	return p
 }
