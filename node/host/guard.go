@@ -44,14 +44,27 @@ var (
 // replayed and need not be secret: it only makes refusals explicit.
 //
 // What keeps out anyone without the key is the link cipher that follows:
-// every byte after the proofs, the libp2p handshake included, is encrypted
-// with AES-256-CTR under a key derived from the mesh key and both ends'
-// nonces (one key per direction). A peer without the mesh key can neither
-// read the node's handshake (its peer ID, its protocols) nor write one the
-// node can read. It plays the part of libp2p's private network (pnet),
-// whose XSalsa20 took half the CPU of a loopback stream; AES runs in the
-// CPU's AES instructions, several times faster. Noise or TLS runs inside,
-// and authenticates and protects the integrity of everything.
+// every byte after the proofs, the whole libp2p handshake included, is
+// encrypted with AES-256-CTR under a key derived from the mesh key and both
+// ends' nonces (one key per direction). A peer without the mesh key can
+// neither read the node's handshake (its peer ID, its protocols) nor write
+// one the node can read. It plays the part of libp2p's private network
+// (pnet), whose XSalsa20 took half the CPU of a loopback stream. Noise or
+// TLS runs inside, and authenticates and protects the integrity of
+// everything.
+//
+// Once this end's security handshake is done (the gater saw the peer
+// authenticated), the link cipher has done its work: only a holder of the
+// mesh key could have taken part in that handshake, and what follows is
+// under the session keys it agreed, which only the two ends have. So each
+// end then stops encrypting what it sends: a second cipher over every hop
+// of every decode step cost a tenth of a hop's CPU (BenchmarkWideStep,
+// sixteen rows of an 8B model). To say where, its link stream is framed
+// while encrypted, [length:2][bytes], and a frame of length 0 followed by a
+// 16-byte switch tag, derived from the link key and both nonces, ends it;
+// after the tag its bytes go as they are. Without the mesh key nobody can
+// make a tag that decrypts right, so no one can end another's encryption
+// early, and a wrong tag breaks the connection.
 //
 // The proof is applied by wrapping libp2p's upgrader for the TCP transport:
 // Upgrade for dials, the gated listener for accepts. The connection gater
@@ -83,6 +96,7 @@ type guard struct {
 	allow       func(peer.ID) bool
 	proofKey    []byte
 	oldProofKey []byte       // v1 proofs: meshnode before the link cipher, which cannot talk to us
+	v2ProofKey  []byte       // v2 proofs: meshnode whose link cipher never ended, which cannot talk to us either
 	linkKey     []byte       // the link cipher's keys are derived from it and both proofs' nonces
 	busyPoll    atomic.Int64 // the busy-poll window of every connection, ns (see busypoll.go)
 }
@@ -91,9 +105,10 @@ type guard struct {
 func newGuard(key MeshKey, allow func(peer.ID) bool, log *zap.Logger) *guard {
 	return &guard{
 		log: log, allow: allow,
-		proofKey:    key.derive("conn proof v2", 32),
+		proofKey:    key.derive("conn proof v3", 32),
 		oldProofKey: key.derive("conn proof v1", 32),
-		linkKey:     key.derive("link v2", 32),
+		v2ProofKey:  key.derive("conn proof v2", 32),
+		linkKey:     key.derive("link v3", 32),
 	}
 }
 
@@ -128,6 +143,16 @@ func (g *guard) linkStream(senderNonce, receiverNonce []byte) cipher.Stream {
 	return cipher.NewCTR(block, make([]byte, aes.BlockSize))
 }
 
+// switchTag is what the sender of a link stream sends, encrypted, after a
+// frame of length 0 to end its encryption.
+func (g *guard) switchTag(senderNonce, receiverNonce []byte) []byte {
+	mac := hmac.New(sha256.New, g.linkKey)
+	mac.Write([]byte("switch"))
+	mac.Write(senderNonce)
+	mac.Write(receiverNonce)
+	return mac.Sum(nil)[:switchTagLen]
+}
+
 // proofConn sends our proof when made and checks the peer's before the first
 // Read or Write passes through.
 type proofConn struct {
@@ -142,14 +167,28 @@ type proofConn struct {
 
 	// The link cipher, set by check once the proofs are good. The locks
 	// keep each key stream in step with the bytes on the wire.
-	rmu, wmu   sync.Mutex
-	send, recv cipher.Stream
-	wbuf       []byte
-	busy       *busyReader // nil: plain reads
+	rmu, wmu         sync.Mutex
+	send, recv       cipher.Stream
+	sendTag, recvTag []byte // the switch tags of each direction
+	wbuf             []byte
+	busy             *busyReader // nil: plain reads
+
+	// Where each direction's link stream is: sent is set once our switch
+	// tag is out, received once the peer's has been read; frameLeft is
+	// what remains of the frame being read, rerr a broken stream's error.
+	sent, received bool
+	frameLeft      int
+	rerr           error
 }
 
-// linkChunk bounds the encryption buffer of one Write.
-const linkChunk = 32 << 10
+const (
+	// linkChunk bounds the encryption buffer of one Write.
+	linkChunk = 32 << 10
+	// linkFrame is the most bytes one frame of the link stream holds.
+	linkFrame    = linkChunk - linkHeader
+	linkHeader   = 2
+	switchTagLen = 16
+)
 
 func newProofConn(c manet.Conn, g *guard) (*proofConn, error) {
 	p, err := g.proof()
@@ -177,8 +216,11 @@ func (c *proofConn) check() error {
 		case hmac.Equal(buf[proofNonceLen:], c.g.tag(theirs)) && !bytes.Equal(theirs, c.nonce):
 			c.send = c.g.linkStream(c.nonce, theirs)
 			c.recv = c.g.linkStream(theirs, c.nonce)
+			c.sendTag = c.g.switchTag(c.nonce, theirs)
+			c.recvTag = c.g.switchTag(theirs, c.nonce)
 			c.state.Store(proofOK)
-		case hmac.Equal(buf[8:], tagWith(c.g.oldProofKey, buf[:8], 12)): // v1: nonce[8] ‖ tag[12]
+		case hmac.Equal(buf[8:], tagWith(c.g.oldProofKey, buf[:8], 12)), // v1: nonce[8] ‖ tag[12]
+			hmac.Equal(buf[proofNonceLen:], tagWith(c.g.v2ProofKey, theirs, proofTagLen)):
 			c.state.Store(proofOld)
 			c.err = c.reason()
 		case bytes.Equal(buf, multistreamHello):
@@ -202,7 +244,7 @@ func (c *proofConn) reason() error {
 	case proofMissing:
 		return errors.New("no mesh key proof from the peer")
 	case proofOld:
-		return fmt.Errorf("%w: the peer runs an older meshnode (before the link cipher); upgrade it", ErrHandshake)
+		return fmt.Errorf("%w: the peer runs an older meshnode, whose link protocol differs; upgrade it", ErrHandshake)
 	}
 	return nil
 }
@@ -213,16 +255,52 @@ func (c *proofConn) Read(b []byte) (int, error) {
 	}
 	c.rmu.Lock()
 	defer c.rmu.Unlock()
-	var n int
-	var err error
-	if c.busy != nil {
-		n, err = c.busy.Read(b)
-	} else {
-		n, err = c.Conn.Read(b)
+	if len(b) == 0 {
+		return 0, nil
 	}
-	c.recv.XORKeyStream(b[:n], b[:n])
-	return n, err
+	for !c.received {
+		if c.rerr != nil {
+			return 0, c.rerr
+		}
+		if c.frameLeft > 0 {
+			n, err := c.rawRead(b[:min(len(b), c.frameLeft)])
+			c.recv.XORKeyStream(b[:n], b[:n])
+			c.frameLeft -= n
+			return n, err
+		}
+		var hdr [linkHeader]byte
+		if _, err := io.ReadFull(readerFunc(c.rawRead), hdr[:]); err != nil {
+			return 0, err
+		}
+		c.recv.XORKeyStream(hdr[:], hdr[:])
+		if c.frameLeft = int(hdr[0])<<8 | int(hdr[1]); c.frameLeft > 0 {
+			continue
+		}
+		tag := make([]byte, switchTagLen)
+		if _, err := io.ReadFull(readerFunc(c.rawRead), tag); err != nil {
+			return 0, err
+		}
+		c.recv.XORKeyStream(tag, tag)
+		if !hmac.Equal(tag, c.recvTag) {
+			c.rerr = errors.New("link stream: bad switch tag from the peer")
+			return 0, c.rerr
+		}
+		c.received = true
+	}
+	return c.rawRead(b)
 }
+
+// rawRead reads the socket, busy-polling when the host does.
+func (c *proofConn) rawRead(b []byte) (int, error) {
+	if c.busy != nil {
+		return c.busy.Read(b)
+	}
+	return c.Conn.Read(b)
+}
+
+type readerFunc func([]byte) (int, error)
+
+func (f readerFunc) Read(b []byte) (int, error) { return f(b) }
 
 func (c *proofConn) Write(b []byte) (int, error) {
 	if err := c.check(); err != nil {
@@ -230,21 +308,38 @@ func (c *proofConn) Write(b []byte) (int, error) {
 	}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	if c.sent {
+		return c.Conn.Write(b)
+	}
 	if c.wbuf == nil {
 		c.wbuf = make([]byte, linkChunk)
 	}
+	if c.secured.Load() {
+		// This end's handshake is done: end the link cipher, and send b
+		// as it is in the same write.
+		out := append(c.wbuf[:0], 0, 0)
+		out = append(out, c.sendTag...)
+		c.send.XORKeyStream(out, out)
+		out = append(out, b...)
+		c.sent = true
+		n, err := c.Conn.Write(out)
+		return max(0, n-linkHeader-switchTagLen), err
+	}
 	written := 0
 	for len(b) > 0 {
-		out := c.wbuf[:min(len(b), linkChunk)]
-		c.send.XORKeyStream(out, b[:len(out)])
+		chunk := min(len(b), linkFrame)
+		out := c.wbuf[:linkHeader+chunk]
+		out[0], out[1] = byte(chunk>>8), byte(chunk)
+		copy(out[linkHeader:], b[:chunk])
+		c.send.XORKeyStream(out, out)
 		n, err := c.Conn.Write(out)
-		written += n
+		written += max(0, n-linkHeader)
 		if err != nil {
 			// The key stream ran ahead of the wire: the connection is
 			// done, as it is after any failed write.
 			return written, err
 		}
-		b = b[len(out):]
+		b = b[chunk:]
 	}
 	return written, nil
 }
@@ -379,7 +474,7 @@ func (s *guardScope) Done() {
 		case s.pc.state.Load() == proofWrong:
 			s.log.Warn("refused connection: wrong mesh key", remote)
 		case s.pc.state.Load() == proofOld:
-			s.log.Warn("refused connection: the peer runs an older meshnode (before the link cipher)", remote)
+			s.log.Warn("refused connection: the peer runs an older meshnode, whose link protocol differs", remote)
 		case s.pc.state.Load() == proofPlain:
 			s.log.Warn("refused connection: peer has no mesh key", remote)
 		default:

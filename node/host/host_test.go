@@ -107,7 +107,7 @@ func TestMeshKeyText(t *testing.T) {
 	if len(multistreamHello) != proofLen {
 		t.Errorf("multistream hello is %d bytes, proof %d: plain peers would not be recognized", len(multistreamHello), proofLen)
 	}
-	if gk := k.GossipKey(); string(k.derive("link v2", 32)) == string(gk[:]) {
+	if gk := k.GossipKey(); string(k.derive("link v3", 32)) == string(gk[:]) {
 		t.Error("link and gossip keys are not independent")
 	}
 }

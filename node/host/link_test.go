@@ -5,12 +5,18 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
+	"fmt"
 	"io"
+	mrand "math/rand/v2"
 	"net"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	ma "github.com/multiformats/go-multiaddr"
+	manet "github.com/multiformats/go-multiaddr/net"
 )
 
 // tap forwards TCP connections to target and keeps every byte that
@@ -64,8 +70,9 @@ func (tp *tap) seen() []byte {
 }
 
 // TestLinkCipherOnTheWire: two hosts of a mesh talk through a tap, and no
-// libp2p handshake text or stream payload shows on the wire: everything
-// after the proofs is under the link cipher.
+// libp2p handshake text or stream payload shows on the wire: the handshake
+// is under the link cipher, and what follows under TLS's session keys,
+// whose records then cross the wire as they are (the link cipher ends).
 func TestLinkCipherOnTheWire(t *testing.T) {
 	key := mustMeshKey(t)
 	a := newTestHost(t, key, nil, nil)
@@ -90,10 +97,8 @@ func TestLinkCipherOnTheWire(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	secret := []byte("the activations of layer 7, in the clear")
-	if _, err := c.Write(secret); err != nil {
-		t.Fatal(err)
-	}
+	secret := bytes.Repeat([]byte("the activations of layer 7, in the clear "), 2000) // 80 KB: five TLS records or more
+	go c.Write(secret)
 	got := make([]byte, len(secret))
 	if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, secret) {
 		t.Fatalf("echo: %q, %v", got, err)
@@ -102,16 +107,22 @@ func TestLinkCipherOnTheWire(t *testing.T) {
 	if len(wire) < 2*proofLen+100 {
 		t.Fatalf("only %d bytes crossed the tap", len(wire))
 	}
-	for _, clear := range [][]byte{[]byte("/multistream/1.0.0"), []byte("/tls/1.0.0"), []byte("/noise"), []byte("/yamux"), []byte("/meshnode/test-echo/1"), secret, []byte(a.ID().String())} {
+	for _, clear := range [][]byte{[]byte("/multistream/1.0.0"), []byte("/tls/1.0.0"), []byte("/noise"), []byte("/yamux"), []byte("/meshnode/test-echo/1"), secret[:41], []byte(a.ID().String())} {
 		if bytes.Contains(wire, clear) {
 			t.Errorf("%q crossed the wire in the clear", clear)
 		}
 	}
+	// TLS 1.3 application data records, each headed 17 03 03, in the clear:
+	// under the link cipher they would not show.
+	if n := bytes.Count(wire, []byte{0x17, 0x03, 0x03}); n < 10 {
+		t.Errorf("%d TLS record headers crossed the wire in the clear, want the echo's (10 or more): the link cipher did not end", n)
+	}
 }
 
 // TestLinkRefusals: a peer that replays a good proof without holding the
-// mesh key gets nothing readable and no connection, and a v1 proof (a
-// meshnode from before the link cipher) is refused with a reason.
+// mesh key gets nothing readable and no connection, and v1 and v2 proofs
+// (meshnodes from before the link cipher, and from before it ended after
+// the handshake) are refused with a reason.
 func TestLinkRefusals(t *testing.T) {
 	key := mustMeshKey(t)
 	log, logs := observed()
@@ -143,23 +154,37 @@ func TestLinkRefusals(t *testing.T) {
 		}
 	})
 
-	t.Run("v1 proof", func(t *testing.T) {
-		logs.TakeAll()
-		c, err := net.Dial("tcp", "127.0.0.1:"+port)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		nonce := make([]byte, 8)
-		rand.Read(nonce)
-		c.Write(append(nonce, tagWith(g.oldProofKey, nonce, 12)...))
-		io.ReadFull(c, make([]byte, proofLen))
-		c.Write([]byte("x")) // the node reads our proof when it first needs to
-		e := waitLog(t, logs, "older meshnode", 3*time.Second)
-		if !strings.Contains(e.Message, "refused connection") {
-			t.Errorf("log %q", e.Message)
-		}
-	})
+	for _, tc := range []struct {
+		name  string
+		proof func() []byte
+	}{
+		{"v1 proof", func() []byte { // before the link cipher: nonce[8] ‖ tag[12]
+			nonce := make([]byte, 8)
+			rand.Read(nonce)
+			return append(nonce, tagWith(g.oldProofKey, nonce, 12)...)
+		}},
+		{"v2 proof", func() []byte { // a link cipher that never ended
+			nonce := make([]byte, proofNonceLen)
+			rand.Read(nonce)
+			return append(nonce, tagWith(g.v2ProofKey, nonce, proofTagLen)...)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			logs.TakeAll()
+			c, err := net.Dial("tcp", "127.0.0.1:"+port)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.Write(tc.proof())
+			io.ReadFull(c, make([]byte, proofLen))
+			c.Write([]byte("x")) // the node reads our proof when it first needs to
+			e := waitLog(t, logs, "older meshnode", 3*time.Second)
+			if !strings.Contains(e.Message, "refused connection") {
+				t.Errorf("log %q", e.Message)
+			}
+		})
+	}
 
 	t.Run("v1 proof, as the dialer sees it", func(t *testing.T) {
 		pc := &proofConn{g: g}
@@ -168,4 +193,129 @@ func TestLinkRefusals(t *testing.T) {
 			t.Errorf("reason %v", err)
 		}
 	})
+}
+
+// proofPair is two proof connections of one mesh over loopback TCP, their
+// proofs exchanged.
+func proofPair(t *testing.T, g *guard) (a, b *proofConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan *proofConn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			accepted <- nil
+			return
+		}
+		mc, err := manet.WrapNetConn(c)
+		if err != nil {
+			c.Close()
+			accepted <- nil
+			return
+		}
+		pc, err := newProofConn(mc, g)
+		if err != nil {
+			c.Close()
+			accepted <- nil
+			return
+		}
+		accepted <- pc
+	}()
+	addr, err := ma.NewMultiaddr("/ip4/127.0.0.1/tcp/" + strconv.Itoa(ln.Addr().(*net.TCPAddr).Port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := manet.Dial(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a, err = newProofConn(raw, g); err != nil {
+		t.Fatal(err)
+	}
+	if b = <-accepted; b == nil {
+		t.Fatal("accept failed")
+	}
+	t.Cleanup(func() { a.Close(); b.Close() })
+	for _, c := range []*proofConn{a, b} {
+		if err := c.check(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return a, b
+}
+
+// TestLinkSwitch: what one end writes reaches the other whole, in writes
+// of any size and reads of any size, across the end of its link cipher
+// (once its handshake is done), after which its bytes cross as they are.
+func TestLinkSwitch(t *testing.T) {
+	g := newGuard(mustMeshKey(t), nil, nil)
+	a, b := proofPair(t, g)
+	var want []byte
+	done := make(chan error, 1)
+	go func() {
+		rng := mrand.New(mrand.NewPCG(1, 2))
+		var err error
+		for i, size := range []int{1, 5, linkFrame, linkFrame + 1, 3 * linkChunk, 100, 70000, 2, 40000, 1} {
+			if i == 5 {
+				a.secured.Store(true) // the handshake is done: the tag goes with the next write
+			}
+			p := make([]byte, size)
+			for j := range p {
+				p[j] = byte(rng.Uint32())
+			}
+			want = append(want, p...)
+			var n int
+			if n, err = a.Write(p); err != nil || n != size {
+				err = fmt.Errorf("write %d of %d bytes: %v", n, size, err)
+				break
+			}
+		}
+		done <- err
+	}()
+	rng := mrand.New(mrand.NewPCG(3, 4))
+	var got []byte
+	buf := make([]byte, 70001)
+	total := 1 + 5 + linkFrame + linkFrame + 1 + 3*linkChunk + 100 + 70000 + 2 + 40000 + 1
+	for len(got) < total {
+		n, err := b.Read(buf[:1+rng.IntN(len(buf))])
+		if err != nil {
+			t.Fatalf("read after %d bytes: %v", len(got), err)
+		}
+		got = append(got, buf[:n]...)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the bytes read differ from those written")
+	}
+	if !a.sent || !b.received {
+		t.Fatalf("link cipher still on: sent %v, received %v", a.sent, b.received)
+	}
+	// The other direction, never secured, stays encrypted and framed.
+	go b.Write([]byte("still framed"))
+	back := make([]byte, 12)
+	if _, err := io.ReadFull(a, back); err != nil || string(back) != "still framed" || a.received {
+		t.Fatalf("read back %q, %v, received %v", back, err, a.received)
+	}
+}
+
+// TestLinkSwitchForged: a switch tag that is not the link's breaks the
+// connection instead of ending its encryption.
+func TestLinkSwitchForged(t *testing.T) {
+	g := newGuard(mustMeshKey(t), nil, nil)
+	a, b := proofPair(t, g)
+	a.sendTag = bytes.Repeat([]byte{7}, switchTagLen) // not the tag b expects
+	a.secured.Store(true)
+	go a.Write([]byte("plain from here on"))
+	if _, err := b.Read(make([]byte, 64)); err == nil || !strings.Contains(err.Error(), "switch tag") {
+		t.Fatalf("read: %v, want a bad switch tag", err)
+	}
+	if _, err := b.Read(make([]byte, 64)); err == nil {
+		t.Fatal("the broken link read again")
+	}
 }
