@@ -14,18 +14,20 @@
 // and immediate on both ends. The dialer's error wraps ErrMeshKey ("peer
 // refused: wrong or missing mesh key") and the listener logs "refused
 // connection: wrong mesh key" (or "peer has no mesh key" for a plain libp2p
-// peer, or "the peer runs an older meshnode" for a v1 proof) with the
+// peer, or "the peer runs an older meshnode" for a v1 or v2 proof) with the
 // remote address. Other failures before authentication wrap ErrHandshake and
 // log "refused connection: handshake failed". The peer ID of a refused peer
 // is never known, by design.
 //
-// Then every byte, the libp2p handshake included, goes through the link
-// cipher: AES-256-CTR, one key per direction, derived from the mesh key and
-// both proofs' fresh nonces. A peer without the mesh key cannot complete a
+// Then every byte of the libp2p handshake goes through the link cipher:
+// AES-256-CTR, one key per direction, derived from the mesh key and both
+// proofs' fresh nonces. A peer without the mesh key cannot complete a
 // connection, nor learn the node's peer ID or protocols. This is what
 // libp2p's private network (pnet) does with XSalsa20, at a fraction of its
-// CPU cost: a stream on loopback carries about 1 GB/s instead of 0.46.
-// Noise or TLS (libp2p defaults) runs inside and authenticates the peers.
+// CPU cost. Noise or TLS (libp2p defaults) runs inside and authenticates
+// the peers; once an end's handshake is done it ends its link cipher with a
+// tag only a key holder can make, and its bytes are then protected by the
+// Noise or TLS session alone (guard.go says why that is enough).
 //
 // Costs accepted:
 //   - TCP only: the proof and the link cipher wrap the TCP transport's
