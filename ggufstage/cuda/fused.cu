@@ -1605,8 +1605,10 @@ struct mf_engine {
 	// on the GPU against how long mf_step took, to tell GPU time from
 	// waiting (for a GPU shared with other processes, say).
 	int timing = 0, timed = 0;
-	cudaEvent_t ev0 = nullptr, ev1 = nullptr;
-	double gpuMs = 0, wallMs = 0;
+	// Around a timed step: evIn before its input's copies, ev0 and ev1
+	// around the graph, evOut after its result's copy.
+	cudaEvent_t evIn = nullptr, ev0 = nullptr, ev1 = nullptr, evOut = nullptr;
+	double inMs = 0, gpuMs = 0, outMs = 0, launchMs = 0, wallMs = 0;
 };
 
 namespace {
@@ -2153,18 +2155,25 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 	CK(cudaSetDevice(c.device));
 	cudaGraphExec_t exec;
 	CK(graphFor(e, rows, &exec));
+	if (e->timing && !e->ev0) {
+		CK(cudaEventCreate(&e->evIn));
+		CK(cudaEventCreate(&e->ev0));
+		CK(cudaEventCreate(&e->ev1));
+		CK(cudaEventCreate(&e->evOut));
+	}
+	if (e->timing) CK(cudaEventRecord(e->evIn, e->stream));
 	CK(cudaMemcpyAsync(e->params, hp, sizeof(int) * (kMaxRows * kParams + total), cudaMemcpyHostToDevice, e->stream));
 	if (!e->first) {
 		memcpy(e->hostIO, hidden, sizeof(float) * rows * c.embd);
 		CK(cudaMemcpyAsync(e->x, e->hostIO, sizeof(float) * rows * c.embd, cudaMemcpyHostToDevice, e->stream));
 	}
-	if (e->timing && !e->ev0) {
-		CK(cudaEventCreate(&e->ev0));
-		CK(cudaEventCreate(&e->ev1));
-	}
 	if (e->timing) CK(cudaEventRecord(e->ev0, e->stream));
+	const auto tLaunch = std::chrono::steady_clock::now();
 	CK(cudaGraphLaunch(exec, e->stream));
-	if (e->timing) CK(cudaEventRecord(e->ev1, e->stream));
+	if (e->timing) {
+		e->launchMs += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tLaunch).count();
+		CK(cudaEventRecord(e->ev1, e->stream));
+	}
 	const size_t nout = (size_t)rows * (e->last ? c.vocab : c.embd);
 	if (picks) {
 		// 4 bytes a row cross the bus instead of the vocabulary's logits,
@@ -2176,20 +2185,26 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 		CK(cudaMemcpyAsync(out_pinned ? out : e->hostIO, e->last ? e->logits : e->x, sizeof(float) * nout,
 		                   cudaMemcpyDeviceToHost, e->stream));
 	}
+	if (e->timing) CK(cudaEventRecord(e->evOut, e->stream));
 	CK(cudaStreamSynchronize(e->stream));
 	if (picks)
 		memcpy(picks, e->hostPicks, sizeof(int) * rows);
 	else if (!out_pinned)
 		memcpy(out, e->hostIO, sizeof(float) * nout);
 	if (e->timing) {
-		float ms = 0;
+		float in = 0, ms = 0, outMs = 0;
+		CK(cudaEventElapsedTime(&in, e->evIn, e->ev0));
 		CK(cudaEventElapsedTime(&ms, e->ev0, e->ev1));
-		e->gpuMs += ms;
+		CK(cudaEventElapsedTime(&outMs, e->ev1, e->evOut));
+		e->inMs += in, e->gpuMs += ms, e->outMs += outMs;
 		e->wallMs += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 		if (++e->timed == e->timing) {
-			fprintf(stderr, "fused steps (%d layers, %d rows last): graph on the GPU %.3f ms, mf_step %.3f ms, mean of %d\n", c.n_layer,
-			        rows, e->gpuMs / e->timed, e->wallMs / e->timed, e->timed);
-			e->timed = 0, e->gpuMs = e->wallMs = 0;
+			const double n = e->timed;
+			fprintf(stderr,
+			        "fused steps (%d layers, %d rows last): on the GPU, input copies %.3f ms, graph %.3f ms, then picks or output copy "
+			        "%.3f ms; cudaGraphLaunch %.3f ms on the host; mf_step %.3f ms, mean of %d\n",
+			        c.n_layer, rows, e->inMs / n, e->gpuMs / n, e->outMs / n, e->launchMs / n, e->wallMs / n, e->timed);
+			e->timed = 0, e->inMs = e->gpuMs = e->outMs = e->launchMs = e->wallMs = 0;
 		}
 	}
 	return 0;
@@ -2303,8 +2318,8 @@ extern "C" void mf_destroy(mf_engine *e) {
 	if (e->hostParams) cudaFreeHost(e->hostParams);
 	if (e->hostPicks) cudaFreeHost(e->hostPicks);
 	if (e->hostIO) cudaFreeHost(e->hostIO);
-	if (e->ev0) cudaEventDestroy(e->ev0);
-	if (e->ev1) cudaEventDestroy(e->ev1);
+	for (cudaEvent_t ev : {e->evIn, e->ev0, e->ev1, e->evOut})
+		if (ev) cudaEventDestroy(ev);
 	if (e->stream) cudaStreamDestroy(e->stream);
 	delete[] e->layers;
 	delete e;
