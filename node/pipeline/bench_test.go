@@ -49,7 +49,7 @@ func BenchmarkDecodeStep(b *testing.B) {
 			return toks, err
 		}, func() error { return e.Trim(seq, promptLen) })
 	})
-	instant := stageOpts{wrap: func(e stage.Engine) stage.Engine { return instantEngine{e} }}
+	instant := stageOpts{wrap: func(e stage.Engine) stage.Engine { return instantEngine{Engine: e} }}
 	for _, tc := range []struct {
 		name   string
 		bounds []int
@@ -108,8 +108,23 @@ func decodeLoop(b *testing.B, tok int32, step func(*stage.Batch) ([]int32, error
 
 // instantEngine answers every pass at once with zeros (hidden state) or
 // logits that pick token 1, so that a benchmark measures the pipeline
-// without the engine's compute.
-type instantEngine struct{ stage.Engine }
+// without the engine's compute. With embd set, its hidden state is that
+// wide (an 8B model's stages send each other n_embd 4096); with picks set,
+// it answers a batch that asks only for greedy picks with them (token 1),
+// as a GPU stage does.
+type instantEngine struct {
+	stage.Engine
+	embd  int // 0: the engine's
+	picks bool
+}
+
+func (e instantEngine) Info() stage.Info {
+	info := e.Engine.Info()
+	if e.embd > 0 {
+		info.Embd = e.embd
+	}
+	return info
+}
 
 func (e instantEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output, error) {
 	info := e.Info()
@@ -117,37 +132,17 @@ func (e instantEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output
 		h, err := stage.NewActivation(stage.F32, b.Rows(), info.Embd, make([]float32, b.Rows()*info.Embd))
 		return &stage.Output{Hidden: h}, err
 	}
+	if e.picks && b.PicksOnly {
+		picks := make([]int32, len(b.Outputs))
+		for i := range picks {
+			picks[i] = 1
+		}
+		return &stage.Output{Picks: picks}, nil
+	}
 	logits := make([]float32, len(b.Outputs)*info.Vocab)
 	for i := range b.Outputs {
 		logits[i*info.Vocab+1] = 1
 	}
-	return &stage.Output{Logits: logits}, nil
-}
-
-// wideEngine is instantEngine with the hidden state of a wider model, as
-// an 8B model's stages send each other (n_embd 4096), and greedy picks
-// from the last stage when asked, as a GPU stage gives them.
-type wideEngine struct {
-	stage.Engine
-	embd int
-}
-
-func (e wideEngine) Info() stage.Info {
-	info := e.Engine.Info()
-	info.Embd = e.embd
-	return info
-}
-
-func (e wideEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output, error) {
-	info := e.Info()
-	if !info.Last() {
-		h, err := stage.NewActivation(stage.F32, b.Rows(), info.Embd, make([]float32, b.Rows()*info.Embd))
-		return &stage.Output{Hidden: h}, err
-	}
-	if b.PicksOnly {
-		return &stage.Output{Picks: make([]int32, len(b.Outputs))}, nil
-	}
-	logits := make([]float32, len(b.Outputs)*info.Vocab)
 	return &stage.Output{Logits: logits}, nil
 }
 
@@ -164,7 +159,7 @@ func BenchmarkWideStep(b *testing.B) {
 			b.Run(fmt.Sprintf("%s/rows=%d", via, rows), func(b *testing.B) {
 				var p *Pipeline
 				if via == "tcp" {
-					wide := stageOpts{wrap: func(e stage.Engine) stage.Engine { return wideEngine{e, 4096} }, maxSeqs: 16}
+					wide := stageOpts{wrap: func(e stage.Engine) stage.Engine { return instantEngine{Engine: e, embd: 4096, picks: true} }, maxSeqs: 16}
 					m := newMesh(b, []int{0, 2, 5}, engineOpts, wide, wide)
 					p = m.pipeline(b, Config{Dial: m.dialHop0InProcess(), WireDType: stage.F32})
 				} else {
@@ -196,7 +191,7 @@ func BenchmarkWideStep(b *testing.B) {
 	}
 }
 
-// libp2pPipeline is a two-stage pipeline of wideEngines on two libp2p
+// libp2pPipeline is a two-stage pipeline of wide instantEngines on two libp2p
 // hosts of one mesh, as two nodes run it: stage 0 and the origin share the
 // first host (hop 0 in process), stage 1 is served by the second.
 func libp2pPipeline(b *testing.B, embd int) *Pipeline {
@@ -230,7 +225,7 @@ func libp2pPipeline(b *testing.B, embd int) *Pipeline {
 	}
 	srvs := make([]*Server, 2)
 	for i, e := range engines {
-		if srvs[i], err = NewServer(ServerConfig{Engine: wideEngine{serialEngine{e}, embd}, Dial: dial, ModelID: "stories260K", ModelHash: "test-hash"}); err != nil {
+		if srvs[i], err = NewServer(ServerConfig{Engine: instantEngine{Engine: serialEngine{e}, embd: embd, picks: true}, Dial: dial, ModelID: "stories260K", ModelHash: "test-hash"}); err != nil {
 			b.Fatal(err)
 		}
 		b.Cleanup(func() { srvs[i].Close() })
