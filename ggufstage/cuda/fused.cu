@@ -1491,6 +1491,11 @@ __device__ __forceinline__ void takeBetter(float &v, int &at, float ov, int oat)
 	if (oat >= 0 && (at < 0 || ov > v || (ov == v && oat < at))) v = ov, at = oat;
 }
 
+// warpBest leaves every lane of a warp with the best of their candidates.
+__device__ __forceinline__ void warpBest(float &v, int &at) {
+	for (int o = 16; o > 0; o >>= 1) takeBetter(v, at, __shfl_xor_sync(~0u, v, o), __shfl_xor_sync(~0u, at, o));
+}
+
 // pickValue is a logit as the sampler weighs it: NaN as -Inf, +Inf as the
 // largest finite float (sample.sanitize).
 __device__ __forceinline__ float pickValue(float x) { return x != x ? -INFINITY : fminf(x, FLT_MAX); }
@@ -1526,7 +1531,7 @@ __global__ void greedyPartials(const float *__restrict__ logits, int vocab, floa
 		const float x = pickValue(l[i]);
 		if (x > v) v = x, at = i;
 	}
-	for (int o = 16; o > 0; o >>= 1) takeBetter(v, at, __shfl_xor_sync(~0u, v, o), __shfl_xor_sync(~0u, at, o));
+	warpBest(v, at);
 	__shared__ float sv[kPickThreads / 32];
 	__shared__ int sat[kPickThreads / 32];
 	const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1536,7 +1541,7 @@ __global__ void greedyPartials(const float *__restrict__ logits, int vocab, floa
 	const int warps = blockDim.x / 32;
 	v = lane < warps ? sv[lane] : -INFINITY;
 	at = lane < warps ? sat[lane] : -1;
-	for (int o = 16; o > 0; o >>= 1) takeBetter(v, at, __shfl_xor_sync(~0u, v, o), __shfl_xor_sync(~0u, at, o));
+	warpBest(v, at);
 	if (lane == 0) pv[r * gridDim.x + g] = v, pat[r * gridDim.x + g] = at;
 }
 
@@ -1547,7 +1552,7 @@ __global__ void greedyReduce(const float *__restrict__ pv, const int *__restrict
 	float v = -INFINITY;
 	int at = -1;
 	for (int i = lane; i < parts; i += 32) takeBetter(v, at, pv[r * parts + i], pat[r * parts + i]);
-	for (int o = 16; o > 0; o >>= 1) takeBetter(v, at, __shfl_xor_sync(~0u, v, o), __shfl_xor_sync(~0u, at, o));
+	warpBest(v, at);
 	if (lane == 0) picks[r] = at < 0 ? 0 : at;
 }
 
@@ -2168,7 +2173,8 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 		CK(cudaMemcpyAsync(e->x, e->hostIO, sizeof(float) * rows * c.embd, cudaMemcpyHostToDevice, e->stream));
 	}
 	if (e->timing) CK(cudaEventRecord(e->ev0, e->stream));
-	const auto tLaunch = std::chrono::steady_clock::now();
+	std::chrono::steady_clock::time_point tLaunch;
+	if (e->timing) tLaunch = std::chrono::steady_clock::now();
 	CK(cudaGraphLaunch(exec, e->stream));
 	if (e->timing) {
 		e->launchMs += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tLaunch).count();
