@@ -117,10 +117,20 @@ func (a *Activation) Float32Shared() ([]float32, error) {
 	if err := a.Validate(); err != nil {
 		return nil, err
 	}
-	if p := unsafe.SliceData(a.Data); a.DType == F32 && littleEndian && uintptr(unsafe.Pointer(p))%4 == 0 {
-		return unsafe.Slice((*float32)(unsafe.Pointer(p)), len(a.Data)/4), nil
+	if f, ok := f32View(a.DType, a.Data); ok {
+		return f, nil
 	}
 	return Decode(a.DType, a.Data, nil)
+}
+
+// f32View is data as the float32s it holds, sharing its memory, when it is
+// F32 on a little-endian host and aligned for float32s.
+func f32View(dtype DType, data []byte) ([]float32, bool) {
+	p := unsafe.SliceData(data)
+	if dtype != F32 || !littleEndian || uintptr(unsafe.Pointer(p))%4 != 0 {
+		return nil, false
+	}
+	return unsafe.Slice((*float32)(unsafe.Pointer(p)), len(data)/4), true
 }
 
 // Encode appends f encoded as dtype to dst.
@@ -163,10 +173,10 @@ func Decode(dtype DType, data []byte, dst []float32) ([]float32, error) {
 		return nil, errors.New("stage: payload is not a whole number of elements")
 	}
 	n := len(data) / size
-	if p := unsafe.SliceData(data); dtype == F32 && littleEndian && uintptr(unsafe.Pointer(p))%4 == 0 {
+	if f, ok := f32View(dtype, data); ok {
 		// data is float32s already: append them, which does not clear
 		// the new memory first.
-		return append(dst, unsafe.Slice((*float32)(unsafe.Pointer(p)), n)...), nil
+		return append(dst, f...), nil
 	}
 	base := len(dst)
 	dst = slices.Grow(dst, n)[:base+n]
