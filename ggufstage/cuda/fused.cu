@@ -28,9 +28,15 @@ namespace {
 // Two shapes (run 50, 8B Q4_0 on an H200): two blocks of 256 threads for
 // the mat-vecs of n_embd columns (qkv 7.4 against 8.4 us, o, gate+up);
 // one block of 512, which halves the blocks that each quantize the input,
-// for down's 14336 columns (12.1 against 13.2 us) and the Q6_K head (131
-// against 138 us).
+// for the Q6_K head (131 against 138 us) and a 32B model's down (27648
+// columns). The 8B model's down (14336) is faster alone in one block of
+// 512 (11.8 against 12.7 us, run 141), but a step with it in two of 256
+// took 1.662 against 1.695 ms at 64 cells, 1.810 against 1.849 at 576
+// (runs 140 and 141 alike): a block of 512 waits for both of gate/up's
+// blocks on its multiprocessor to leave, and QKV's for it. The 32B
+// model's steps were within 1% either way.
 constexpr int kThreads = 256, kWideThreads = 512; // kThreads: the narrow shape
+constexpr int kNarrowMaxK = 16384;                // the most columns of a Q4_0 mat-vec in the narrow shape
 __host__ __device__ constexpr int blocksOf(int threads) { return 512 / threads; } // per multiprocessor
 // Attention: up to kSplits blocks per head share a sequence's cells,
 // kCellsPerSplit (MESHNODE_FUSED_ATTN_CELLS) or more each.
@@ -1672,7 +1678,7 @@ void gemvShape(GemvArgs &a, int type, int k, int epi, int threads, int rows = 1)
 	a.stageBytes = a.rpp * a.group * a.sbBytes;
 	a.epi = epi;
 	a.copyBytes = copyWidth(a);
-	a.threads = type == MF_Q6_K || k > 8192 ? kWideThreads : kThreads;
+	a.threads = type == MF_Q6_K || k > kNarrowMaxK ? kWideThreads : kThreads;
 	if (threads && type == MF_Q4_0) a.threads = threads; // the Q6_K head has only the wide kernel
 	if (a.mma) a.threads = kThreads, a.stageBytes = type == MF_Q6_K ? kMma6StageBytes : kMmaStageBytes;
 	a.groups = 1, a.mmaStages = kMmaStages; // see fitShape
