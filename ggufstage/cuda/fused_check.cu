@@ -674,10 +674,16 @@ static int bench(bool big) {
 		std::sort(t.begin(), t.end());
 		const double med = t[t.size() / 2];
 		bool finite = true;
-		for (float v : logits) finite = finite && std::isfinite(v);
-		printf("  context %4d: step %.3f ms median (min %.3f), %.1f tok/s; %.2f of the file floor (%.1f tok/s), %.2f of the read floor; %.0f GB/s; logits %s\n",
+		uint64_t hash = 1469598103934665603ull; // FNV-1a of the last step's logits: runs of two builds should match
+		for (float v : logits) {
+			finite = finite && std::isfinite(v);
+			uint32_t b;
+			memcpy(&b, &v, 4);
+			hash = (hash ^ b) * 1099511628211ull;
+		}
+		printf("  context %4d: step %.3f ms median (min %.3f), %.1f tok/s; %.2f of the file floor (%.1f tok/s), %.2f of the read floor; %.0f GB/s; logits %s, hash %016llx\n",
 		       n, med * 1e3, t[0] * 1e3, 1 / med, (fileBytes / bw) / med, bw / fileBytes, (bytes / bw) / med,
-		       bytes / med / 1e9, finite ? "finite" : "NOT FINITE");
+		       bytes / med / 1e9, finite ? "finite" : "NOT FINITE", (unsigned long long)hash);
 	}
 	// Several sequences at once, each at 576 cells: the cells are shared
 	// (only reads), the cells written differ.
