@@ -75,11 +75,13 @@ type Host struct {
 }
 
 // New starts a host; it lives until Close (ctx only aborts the start and
-// passes its values on). Only TCP is enabled: libp2p's QUIC (and WebRTC,
-// WebTransport) transports refuse a private-network PSK ("QUIC doesn't support
-// private networks yet"), and a mesh that any key-less peer can handshake with
-// is worse than one without QUIC. Security is libp2p's default Noise and TLS,
-// inside the PSK layer.
+// passes its values on). Only TCP is enabled: the mesh key's proof and link
+// cipher (guard.go, in place of libp2p's private-network PSK) wrap the TCP
+// transport's upgrader, and libp2p's QUIC (and WebRTC, WebTransport)
+// transports take no such wrapper (they refuse a PSK too: "QUIC doesn't
+// support private networks yet"); a mesh that any key-less peer can
+// handshake with is worse than one without QUIC. Security is libp2p's
+// default Noise and TLS, inside the link cipher.
 func New(ctx context.Context, cfg Config) (*Host, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("start host: %w", err)
@@ -112,7 +114,7 @@ func New(ctx context.Context, cfg Config) (*Host, error) {
 			return nil, fmt.Errorf("start host: listen address %q: %w", s, err)
 		}
 		if _, err := a.ValueForProtocol(ma.P_TCP); err != nil {
-			return nil, fmt.Errorf("start host: listen address %s: only TCP works in a private mesh (libp2p's QUIC has no PSK support)", a)
+			return nil, fmt.Errorf("start host: listen address %s: only TCP works in a private mesh (the mesh key guards TCP connections; libp2p's QUIC cannot carry it)", a)
 		}
 		addrs = append(addrs, a)
 	}

@@ -16,7 +16,7 @@ const mdnsConnectTimeout = 10 * time.Second
 
 // ServiceName is the mDNS service a mesh announces: it carries the mesh's
 // ServiceTag so nodes only ever try to connect to nodes of their own mesh
-// (a connection to another mesh would fail at the PSK anyway, noisily).
+// (a connection to another mesh would fail at the mesh-key proof anyway, noisily).
 func ServiceName(k MeshKey) string { return "_meshnode-" + k.ServiceTag() + "._udp" }
 
 // discovery runs libp2p's mDNS service and auto-connects to what it finds.
