@@ -37,6 +37,18 @@ namespace {
 // model's steps were within 1% either way.
 constexpr int kThreads = 256, kWideThreads = 512; // kThreads: the narrow shape
 constexpr int kNarrowMaxK = 16384;                // the most columns of a Q4_0 mat-vec in the narrow shape
+// The one-row down projection, where it has at least this many columns,
+// shares its input's quantization between the two blocks of a cluster
+// (GemvArgs.cluster): each block reads and quantizes half of the input and
+// writes it to both, where every block read all of it (56 KB of floats
+// for the 8B model's 14336 columns). Run 158, steps at 64 / 2048 / 576
+// cells: 8B 1.663-1.680 / 1.949-1.974 / 1.806-1.807 ms against
+// 1.631-1.643 / 1.907-1.924 / 1.772-1.794 with clusters; 32B
+// 7.263-7.285 / 7.995-8.001 / 7.556-7.564 against 7.125-7.126 /
+// 7.808-7.839 / 7.367-7.386; the same bits. O's 4096 columns ran slower
+// with them (6.2 against 5.9 us), and clusters of four or eight blocks
+// ran down slower (16.0-18.6 against 12.8 us, run 157).
+constexpr int kClusterMinK = 8192;
 __host__ __device__ constexpr int blocksOf(int threads) { return 512 / threads; } // per multiprocessor
 // Attention: up to kSplits blocks per head share a sequence's cells,
 // kCellsPerSplit (MESHNODE_FUSED_ATTN_CELLS) or more each.
@@ -116,6 +128,7 @@ struct GemvArgs {
 	const float *bias[3]; // kStore: each matrix's bias (q, k, v), or null
 	int normDirect;    // read norm from global memory, not a shared copy (see placeNorm)
 	int late;          // issue the first weight copies after the input's loads, not before pdlWait
+	int cluster;       // one row without a norm: the blocks of a cluster of this many share the input's quantization
 	float eps;
 	float *y;
 	int epi;
@@ -196,11 +209,29 @@ __device__ __forceinline__ void pdlLaunchNext() { asm volatile("griddepcontrol.l
 
 constexpr int kHeld = 4; // half-blocks of 16 a thread holds while normalizing: embd <= 16384
 
+// Thread block clusters (sm_90): a block's rank in its cluster, the
+// generic address of the same place in block rank's shared memory, and a
+// barrier of all the cluster's threads that orders their shared-memory
+// writes before its reads (arrive releases, wait acquires).
+__device__ __forceinline__ unsigned clusterRank() {
+	unsigned r;
+	asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+	return r;
+}
+template <typename T> __device__ __forceinline__ T *inBlock(T *p, unsigned rank) {
+	uint64_t q;
+	asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(q) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+	return reinterpret_cast<T *>(q);
+}
+__device__ __forceinline__ void clusterArrive() { asm volatile("barrier.cluster.arrive.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void clusterWait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void clusterSync() { clusterArrive(), clusterWait(); }
+
 // Quantizes 16 values, half hg of a block of 32 whose other half the
 // neighbouring lane holds, as ggml's q8_1 does for its mat-vec. PLAIN
 // stores them unpermuted (see gemvMMA), else as xqChunk and xdsAt read them.
 template <bool PLAIN = false>
-__device__ __forceinline__ void quantizeHalf(const float (&v)[16], int hg, bool store, int8_t *xq, float2 *xds) {
+__device__ __forceinline__ void quantizeHalf(const float (&v)[16], int hg, bool store, int8_t *xq, float2 *xds, int ranks = 1) {
 	float amax = 0.f;
 #pragma unroll
 	for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(v[i]));
@@ -219,8 +250,18 @@ __device__ __forceinline__ void quantizeHalf(const float (&v)[16], int hg, bool 
 	if (!store) return;
 	const int sb = hg >> 4, c = hg & 15;
 	int8_t *chunk = PLAIN ? xq + 16 * hg : const_cast<int8_t *>(xqChunk(xq, sb, c));
-	*reinterpret_cast<int4 *>(chunk) = make_int4(packed[0], packed[1], packed[2], packed[3]);
-	if (!(c & 1)) xds[PLAIN ? hg >> 1 : sb * 8 + ((c >> 1) ^ (sb & 7))] = make_float2(d, d * (float)sum);
+	float2 *ds = xds + (PLAIN ? hg >> 1 : sb * 8 + ((c >> 1) ^ (sb & 7)));
+	const int4 q = make_int4(packed[0], packed[1], packed[2], packed[3]);
+	const float2 e = make_float2(d, d * (float)sum);
+	if (ranks == 1) {
+		*reinterpret_cast<int4 *>(chunk) = q;
+		if (!(c & 1)) *ds = e;
+		return;
+	}
+	for (int r = 0; r < ranks; r++) { // every block of the cluster (GemvArgs.cluster)
+		*reinterpret_cast<int4 *>(inBlock(chunk, r)) = q;
+		if (!(c & 1)) *inBlock(ds, r) = e;
+	}
 }
 
 __device__ __forceinline__ void load16(const float *p, float (&v)[16]) {
@@ -242,23 +283,40 @@ __device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float 
 	const int halves = a.k / 16;
 	const int iters = (halves + kThreads - 1) / kThreads; // the same for every thread: the shuffles need all
 	if (!a.norm) {
+		// With a cluster, each block quantizes its share of the halves (an
+		// even number, so a block of 32 stays with one pair of lanes) into
+		// every block's shared memory: a down projection's blocks each read
+		// 56 KB of input from L2 otherwise. Each half's arithmetic is its
+		// own, so the bits are the same.
+		const int ranks = a.cluster > 1 ? a.cluster : 1;
+		const int share = ranks > 1 ? ((halves + ranks - 1) / ranks + 1) & ~1 : halves;
+		const int start = ranks > 1 ? (int)clusterRank() * share : 0, end = min(halves, start + share);
+		const int its = (share + kThreads - 1) / kThreads;
 		// kHeld halves' loads in flight at once, not one L2 round trip each.
-		for (int i0 = 0; i0 < iters; i0 += kHeld) {
+		for (int i0 = 0; i0 < its; i0 += kHeld) {
 			float v[kHeld][16];
 #pragma unroll
 			for (int i = 0; i < kHeld; i++) {
-				const int hg = threadIdx.x + kThreads * (i0 + i);
-				if (hg < halves) load16(a.x + hg * 16, v[i]);
+				const int hg = start + threadIdx.x + kThreads * (i0 + i);
+				if (hg < end) load16(a.x + hg * 16, v[i]);
 			}
-			if (i0 == 0) afterLoads();
+			if (i0 == 0) {
+				afterLoads();
+				// Every block of the cluster has started (gemv arrived at
+				// the kernel's start) before any writes to another's memory.
+				if (ranks > 1) clusterWait();
+			}
 #pragma unroll
 			for (int i = 0; i < kHeld; i++) {
-				if (i0 + i >= iters) break;
-				const int hg = threadIdx.x + kThreads * (i0 + i);
-				quantizeHalf(v[i], hg, hg < halves, xq, xds);
+				if (i0 + i >= its) break;
+				const int hg = start + threadIdx.x + kThreads * (i0 + i);
+				quantizeHalf(v[i], hg, hg < end, xq, xds, ranks);
 			}
 		}
-		__syncthreads();
+		if (ranks > 1)
+			clusterSync();
+		else
+			__syncthreads();
 		return;
 	}
 	float v[kHeld][16];
@@ -547,6 +605,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 		}
 		cpAsyncCommit();
 	};
+	if (a.cluster > 1) clusterArrive(); // see quantizeInput
 	const bool normShared = a.norm && !a.normDirect;
 	if (normShared) {
 		for (int i = threadIdx.x; i < a.k / 4; i += kThreads) cpAsync16(normS + 4 * i, a.norm + 4 * i);
@@ -1599,6 +1658,8 @@ struct mf_engine {
 	int smemSM = 0;    // shared memory per multiprocessor
 	int smemOptin = 0; // shared memory a block may have
 	int late = 1;   // GemvArgs.late, from MESHNODE_FUSED_LATE (run 47: 1.5 us a layer)
+	int cluster = 2; // GemvArgs.cluster, from MESHNODE_FUSED_CLUSTER (1: none)
+	bool clusterFfn = false; // down's one-row mat-vecs take clusters (clustersFit)
 	int attnCells = kCellsPerSplit; // AttnArgs.cellsPerSplit, from MESHNODE_FUSED_ATTN_CELLS
 	// AttnArgs.maxSplits: splits per head that let every head's blocks run
 	// in one wave (MESHNODE_FUSED_ATTN_WAVES=0: kSplits). Run 54, 576
@@ -1628,17 +1689,19 @@ namespace {
 // launch queues a kernel that may begin before the one before it ends
 // (see pdlWait).
 template <typename Args>
-void launch(mf_engine *e, void (*kernel)(Args), dim3 grid, int threads, size_t smem, Args args) {
+void launch(mf_engine *e, void (*kernel)(Args), dim3 grid, int threads, size_t smem, Args args, int cluster = 1) {
 	cudaLaunchConfig_t cfg = {};
 	cfg.gridDim = grid;
 	cfg.blockDim = dim3(threads);
 	cfg.dynamicSmemBytes = smem;
 	cfg.stream = e->stream;
-	cudaLaunchAttribute at[1];
+	cudaLaunchAttribute at[2];
 	at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
 	at[0].val.programmaticStreamSerializationAllowed = e->pdl;
+	at[1].id = cudaLaunchAttributeClusterDimension;
+	at[1].val.clusterDim.x = cluster, at[1].val.clusterDim.y = 1, at[1].val.clusterDim.z = 1;
 	cfg.attrs = at;
-	cfg.numAttrs = 1;
+	cfg.numAttrs = cluster > 1 ? 2 : 1;
 	cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
@@ -1783,6 +1846,30 @@ bool oneLaunch(const mf_engine *e, int type, int k, const void *norm, int nrows)
 	return nrows <= kTileRows || fitsRows(type, k, norm, e->threads, nrows, e->smemSM, e->smemOptin);
 }
 
+// clustersFit says whether the one-row down projection (k columns) takes
+// clusters (GemvArgs.cluster): wide enough, and all its clusters fit on the
+// device at once, as its blocks do without them.
+bool clustersFit(mf_engine *e, int k) {
+	if (e->cluster < 2 || k < kClusterMinK) return false;
+	GemvArgs a{};
+	gemvShape(a, MF_Q4_0, k, kAdd, e->threads, 1);
+	fitShape(a, e->smemSM, e->smemOptin);
+	cudaLaunchConfig_t cfg = {};
+	cfg.gridDim = dim3(e->sms * blocksPerSM(a, e->smemSM));
+	cfg.blockDim = dim3(a.threads);
+	cfg.dynamicSmemBytes = gemvSmem(a);
+	cudaLaunchAttribute at[1];
+	at[0].id = cudaLaunchAttributeClusterDimension;
+	at[0].val.clusterDim.x = e->cluster, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+	cfg.attrs = at, cfg.numAttrs = 1;
+	int clusters = 0;
+	if (cudaOccupancyMaxActiveClusters(&clusters, gemvFor(a), &cfg) != cudaSuccess) {
+		cudaGetLastError(); // clear it: the engine works without clusters
+		return false;
+	}
+	return (int)cfg.gridDim.x % e->cluster == 0 && clusters * e->cluster >= (int)cfg.gridDim.x;
+}
+
 // launchGemv queues y = W x for nrows inputs: row r of x at r*k, of y at
 // r*yStride.
 // quantized: the pass's input is in e->img already (see launchAttention).
@@ -1832,7 +1919,9 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 	}
 	int grid = e->sms * blocksPerSM(a, e->smemSM);
 	if (a.kParts > 1) a.kpart = e->kpart, a.kcount = e->kcount, grid = std::max(2, grid & ~1); // even: a half each
-	launch(e, gemvFor(a), grid, a.threads, smem, a);
+	if (nrows == 1 && type == MF_Q4_0 && !norm && k == e->c.ffn && e->clusterFfn && grid % e->cluster == 0 && !(a.debug & 1))
+		a.cluster = e->cluster;
+	launch(e, gemvFor(a), grid, a.threads, smem, a, a.cluster > 1 ? a.cluster : 1);
 }
 
 // launchAttention queues a layer's attention; with quantizeO (a pass of
@@ -2048,6 +2137,8 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	               gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 3>, gemvMMA<kWideThreads, MF_Q4_0, 2, 2, 2>,
 	               gemvMMA<kWideThreads, MF_Q4_0, 1, 2, 3>, gemvMMA<kWideThreads, MF_Q4_0, 1, 2, 2>})
 		CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
+	if (const char *v = getenv("MESHNODE_FUSED_CLUSTER")) e->cluster = std::max(1, std::min(2, atoi(v)));
+	e->clusterFfn = clustersFit(e, c.ffn);
 	{
 		int perSM = 0;
 		CE(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSM, c.head_dim == 128 ? attention<128> : attention<64>, kAttnThreads, 0));
@@ -2250,12 +2341,17 @@ extern "C" void mf_profile_rows(mf_engine *e, int n) {
 		       cudaGetErrorString(cudaGetLastError()));
 	};
 	const double rq = (double)rowBytes(MF_Q4_0, c.embd), rf = (double)rowBytes(MF_Q4_0, c.ffn);
-	time("qkv", rq * (qd + 2 * kvd), [&] {
-		for (int i = 0; i < c.n_layer; i++) {
-			const mf_layer &L = e->layers[i];
-			launchGemv(e, n, L.wq, L.wk, L.wv, qd, kvd, kvd, c.embd, MF_Q4_0, e->x, (const float *)L.attn_norm, e->qkv, qd + 2 * kvd, kStore);
-		}
-	});
+	for (int dbg : {0, 1, 2, 3}) {
+		gemvDebug = dbg;
+		time(dbg ? (dbg == 1 ? "qkv/1" : dbg == 2 ? "qkv/2" : "qkv/3") : "qkv", rq * (qd + 2 * kvd), [&] {
+			for (int i = 0; i < c.n_layer; i++) {
+				const mf_layer &L = e->layers[i];
+				launchGemv(e, n, L.wq, L.wk, L.wv, qd, kvd, kvd, c.embd, MF_Q4_0, e->x, (const float *)L.attn_norm, e->qkv, qd + 2 * kvd,
+				           kStore);
+			}
+		});
+	}
+	gemvDebug = 0;
 	time("attention", 0, [&] {
 		for (int i = 0; i < c.n_layer; i++) launchAttention(e, e->layers[i], n);
 	});
@@ -2285,10 +2381,14 @@ extern "C" void mf_profile_rows(mf_engine *e, int n) {
 		for (int i = 0; i < c.n_layer; i++)
 			streamRead<<<e->sms * 4, 512, 0, e->stream>>>((const uint4 *)e->layers[i].gate, (size_t)(rq * c.ffn / 16), (unsigned *)e->counter);
 	});
-	time("down", rf * c.embd, [&] {
-		for (int i = 0; i < c.n_layer; i++)
-			launchGemv(e, n, e->layers[i].down, nullptr, nullptr, c.embd, 0, 0, c.ffn, MF_Q4_0, e->act, nullptr, e->qkv, c.embd, kStore);
-	});
+	for (int dbg : {0, 1, 2, 3}) {
+		gemvDebug = dbg;
+		time(dbg ? (dbg == 1 ? "down/1" : dbg == 2 ? "down/2" : "down/3") : "down", rf * c.embd, [&] {
+			for (int i = 0; i < c.n_layer; i++)
+				launchGemv(e, n, e->layers[i].down, nullptr, nullptr, c.embd, 0, 0, c.ffn, MF_Q4_0, e->act, nullptr, e->qkv, c.embd, kStore);
+		});
+	}
+	gemvDebug = 0;
 	if (e->last)
 		time("head", (double)rowBytes(c.out_type, c.embd) * c.vocab, [&] {
 			for (int i = 0; i < c.n_layer; i++)
