@@ -47,7 +47,11 @@ constexpr int kNarrowMaxK = 16384;                // the most columns of a Q4_0 
 // 7.263-7.285 / 7.995-8.001 / 7.556-7.564 against 7.125-7.126 /
 // 7.808-7.839 / 7.367-7.386; the same bits. O's 4096 columns ran slower
 // with them (6.2 against 5.9 us), and clusters of four or eight blocks
-// ran down slower (16.0-18.6 against 12.8 us, run 157).
+// ran down slower (16.0-18.6 against 12.8 us, run 157). QKV's and
+// gate/up's 16 KB, normalized in clusters of two (each block summing the
+// squares its threads would have, the sums exchanged, so the same bits),
+// ran slower too: 7.96-7.99 against 9.35-9.41 us and 19.72-19.73 against
+// 21.05-21.06 (run 162).
 constexpr int kClusterMinK = 8192;
 __host__ __device__ constexpr int blocksOf(int threads) { return 512 / threads; } // per multiprocessor
 // Attention: up to kSplits blocks per head share a sequence's cells,
