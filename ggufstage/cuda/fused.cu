@@ -50,8 +50,8 @@ constexpr int kNarrowMaxK = 16384;                // the most columns of a Q4_0 
 // ran down slower (16.0-18.6 against 12.8 us, run 157). QKV's and
 // gate/up's 16 KB, normalized in clusters of two (each block summing the
 // squares its threads would have, the sums exchanged, so the same bits),
-// ran slower too: 7.96-7.99 against 9.35-9.41 us and 19.72-19.73 against
-// 21.05-21.06 (run 162).
+// ran slower too: 9.35-9.41 against 7.96-7.99 us and 21.05-21.06 against
+// 19.72-19.73 (run 162).
 constexpr int kClusterMinK = 8192;
 __host__ __device__ constexpr int blocksOf(int threads) { return 512 / threads; } // per multiprocessor
 // Attention: up to kSplits blocks per head share a sequence's cells,
