@@ -40,10 +40,21 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 [ -n "$out" ] || out="$root/bin"
 mkdir -p "$out/lib/ollama"
 # The fused decode kernels: one file, sm_XX from --arch ("native" asks nvcc).
+# They need sm_80 (Ampere) or newer, and use Hopper's PDL and thread block
+# clusters where built for sm_90 or newer. Where they cannot be built, the
+# CUDA backend is still built: stages then decode through ggml's kernels.
 if [ "$arch" = native ]; then gencode=(-arch=native); else gencode=(-gencode "arch=compute_$arch,code=sm_$arch"); fi
-nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "${gencode[@]}" -cudart shared \
-  -o "$out/lib/ollama/libmeshnode-fused.so" "$root/ggufstage/cuda/fused.cu"
-echo "installed fused decode kernels in $out/lib/ollama/libmeshnode-fused.so"
+if [[ "$arch" =~ ^[0-9]+$ ]] && [ "$arch" -lt 80 ]; then
+  echo "not building meshnode's fused decode kernels: they need sm_80 or newer, not sm_$arch; stages will decode through ggml's CUDA kernels" >&2
+  [ -z "$fused_only" ] || exit 2
+elif ! nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC "${gencode[@]}" -cudart shared \
+  -o "$out/lib/ollama/libmeshnode-fused.so" "$root/ggufstage/cuda/fused.cu"; then
+  echo "building meshnode's fused decode kernels failed (they need sm_80 or newer); stages will decode through ggml's CUDA kernels" >&2
+  rm -f "$out/lib/ollama/libmeshnode-fused.so"
+  [ -z "$fused_only" ] || exit 1
+else
+  echo "installed fused decode kernels in $out/lib/ollama/libmeshnode-fused.so"
+fi
 [ -z "$fused_only" ] || exit 0
 
 if [ -z "$src" ]; then

@@ -207,29 +207,69 @@ __device__ __forceinline__ float2 xdsAt(const float2 *xds, int sb, int b) { retu
 
 // Programmatic dependent launch: a kernel may start while the one before it
 // finishes; it copies weights (which nothing writes) before waiting for the
-// earlier kernel's results.
-__device__ __forceinline__ void pdlWait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdlLaunchNext() { asm volatile("griddepcontrol.launch_dependents;\n" ::); }
+// earlier kernel's results. Hopper (sm_90) and later: code built for an
+// older target (sm_80 to sm_89, or their PTX run on a newer GPU) has none,
+// and mf_create then launches kernels without it (codeArch).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MF_HOPPER 1
+#endif
+__device__ __forceinline__ void pdlWait() {
+#ifdef MF_HOPPER
+	asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdlLaunchNext() {
+#ifdef MF_HOPPER
+	asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
 
 constexpr int kHeld = 4; // half-blocks of 16 a thread holds while normalizing: embd <= 16384
 
 // Thread block clusters (sm_90): a block's rank in its cluster, the
 // generic address of the same place in block rank's shared memory, and a
 // barrier of all the cluster's threads that orders their shared-memory
-// writes before its reads (arrive releases, wait acquires).
+// writes before its reads (arrive releases, wait acquires). Code for older
+// targets is never launched in clusters (codeArch); there a block is its
+// own cluster.
 __device__ __forceinline__ unsigned clusterRank() {
-	unsigned r;
+	unsigned r = 0;
+#ifdef MF_HOPPER
 	asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
 	return r;
 }
 template <typename T> __device__ __forceinline__ T *inBlock(T *p, unsigned rank) {
+#ifdef MF_HOPPER
 	uint64_t q;
 	asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(q) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
 	return reinterpret_cast<T *>(q);
+#else
+	return p;
+#endif
 }
-__device__ __forceinline__ void clusterArrive() { asm volatile("barrier.cluster.arrive.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void clusterWait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void clusterArrive() {
+#ifdef MF_HOPPER
+	asm volatile("barrier.cluster.arrive.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void clusterWait() {
+#ifdef MF_HOPPER
+	asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#else
+	__syncthreads();
+#endif
+}
 __device__ __forceinline__ void clusterSync() { clusterArrive(), clusterWait(); }
+
+// codeArch writes the target the device code was built for (__CUDA_ARCH__):
+// a library built for sm_80 runs as PTX compiled at load on a newer GPU,
+// without the Hopper instructions the device itself would have.
+__global__ void codeArch(int *out) {
+#ifdef __CUDA_ARCH__
+	*out = __CUDA_ARCH__;
+#endif
+}
 
 // Quantizes 16 values, half hg of a block of 32 whose other half the
 // neighbouring lane holds, as ggml's q8_1 does for its mat-vec. PLAIN
@@ -1661,6 +1701,7 @@ struct mf_engine {
 	float *pickV = nullptr;   // greedyPicks' candidates: rows × kPickBlocks values
 	int *pickAt = nullptr;    // and their indices
 	int pdl = 1;
+	int codeArch = 0; // the target the device code was built for (codeArch): below 900 no PDL or clusters
 	int quantO = 1; // MESHNODE_FUSED_QUANT_O=0: O's input quantized by quantizeImage, not by attention
 	int smemSM = 0;    // shared memory per multiprocessor
 	int smemOptin = 0; // shared memory a block may have
@@ -2105,6 +2146,24 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	CE(cudaDeviceGetAttribute(&e->sms, cudaDevAttrMultiProcessorCount, e->c.device));
 	CE(cudaDeviceGetAttribute(&e->smemOptin, cudaDevAttrMaxSharedMemoryPerBlockOptin, e->c.device));
 	CE(cudaDeviceGetAttribute(&e->smemSM, cudaDevAttrMaxSharedMemoryPerMultiprocessor, e->c.device));
+	{
+		// The target the kernels were built for (codeArch) decides whether
+		// they may use PDL and clusters; if they cannot run here at all
+		// (built for another GPU), say so now.
+		int *d = nullptr;
+		CE(cudaMalloc(&d, sizeof(int)));
+		codeArch<<<1, 1>>>(d);
+		cudaError_t pe = cudaGetLastError();
+		if (pe == cudaSuccess) pe = cudaMemcpy(&e->codeArch, d, sizeof(int), cudaMemcpyDeviceToHost);
+		cudaFree(d);
+		if (pe != cudaSuccess) {
+			cudaGetLastError();
+			errf(err, errlen, "the fused kernels do not run on this GPU (%s): rebuild them for it with deploy/gpu/build-cuda.sh",
+			     cudaGetErrorString(pe));
+			return fail();
+		}
+		if (e->codeArch < 900) e->pdl = 0;
+	}
 	const mf_config &c = e->c;
 	const int qd = c.n_head * c.head_dim, kvd = c.n_kv_head * c.head_dim;
 	// Every mat-vec's shape, with a norm where it has one, must fit a
@@ -2145,6 +2204,7 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	               gemvMMA<kWideThreads, MF_Q4_0, 1, 2, 3>, gemvMMA<kWideThreads, MF_Q4_0, 1, 2, 2>})
 		CE(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, e->smemOptin));
 	if (const char *v = getenv("MESHNODE_FUSED_CLUSTER")) e->cluster = std::max(1, std::min(2, atoi(v)));
+	if (e->codeArch < 900) e->cluster = 1; // no clusters in the code (MF_HOPPER)
 	e->clusterFfn = clustersFit(e, c.ffn);
 	{
 		int perSM = 0;
