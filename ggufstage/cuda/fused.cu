@@ -2408,17 +2408,24 @@ extern "C" void mf_profile_rows(mf_engine *e, int n) {
 		       cudaGetErrorString(cudaGetLastError()));
 	};
 	const double rq = (double)rowBytes(MF_Q4_0, c.embd), rf = (double)rowBytes(MF_Q4_0, c.ffn);
-	for (int dbg : {0, 1, 2, 3}) {
-		gemvDebug = dbg;
-		time(dbg ? (dbg == 1 ? "qkv/1" : dbg == 2 ? "qkv/2" : "qkv/3") : "qkv", rq * (qd + 2 * kvd), [&] {
-			for (int i = 0; i < c.n_layer; i++) {
-				const mf_layer &L = e->layers[i];
-				launchGemv(e, n, L.wq, L.wk, L.wv, qd, kvd, kvd, c.embd, MF_Q4_0, e->x, (const float *)L.attn_norm, e->qkv, qd + 2 * kvd,
-				           kStore);
-			}
-		});
-	}
-	gemvDebug = 0;
+	// A kind of kernel timed as it runs, then with gemvDebug's bits 1, 2 and
+	// both: without quantizing its input, without its dot products, without
+	// either.
+	auto timeParts = [&](const char *name, double bytes, auto launch) {
+		char label[32];
+		for (int dbg : {0, 1, 2, 3}) {
+			gemvDebug = dbg;
+			snprintf(label, sizeof label, dbg ? "%s/%d" : "%s", name, dbg);
+			time(label, bytes, launch);
+		}
+		gemvDebug = 0;
+	};
+	timeParts("qkv", rq * (qd + 2 * kvd), [&] {
+		for (int i = 0; i < c.n_layer; i++) {
+			const mf_layer &L = e->layers[i];
+			launchGemv(e, n, L.wq, L.wk, L.wv, qd, kvd, kvd, c.embd, MF_Q4_0, e->x, (const float *)L.attn_norm, e->qkv, qd + 2 * kvd, kStore);
+		}
+	});
 	time("attention", 0, [&] {
 		for (int i = 0; i < c.n_layer; i++) launchAttention(e, e->layers[i], n);
 	});
@@ -2448,24 +2455,15 @@ extern "C" void mf_profile_rows(mf_engine *e, int n) {
 		for (int i = 0; i < c.n_layer; i++)
 			streamRead<<<e->sms * 4, 512, 0, e->stream>>>((const uint4 *)e->layers[i].gate, (size_t)(rq * c.ffn / 16), (unsigned *)e->counter);
 	});
-	for (int dbg : {0, 1, 2, 3}) {
-		gemvDebug = dbg;
-		time(dbg ? (dbg == 1 ? "down/1" : dbg == 2 ? "down/2" : "down/3") : "down", rf * c.embd, [&] {
-			for (int i = 0; i < c.n_layer; i++)
-				launchGemv(e, n, e->layers[i].down, nullptr, nullptr, c.embd, 0, 0, c.ffn, MF_Q4_0, e->act, nullptr, e->qkv, c.embd, kStore);
-		});
-	}
-	gemvDebug = 0;
+	timeParts("down", rf * c.embd, [&] {
+		for (int i = 0; i < c.n_layer; i++)
+			launchGemv(e, n, e->layers[i].down, nullptr, nullptr, c.embd, 0, 0, c.ffn, MF_Q4_0, e->act, nullptr, e->qkv, c.embd, kStore);
+	});
 	if (e->last)
-		for (int dbg : {0, 1, 2, 3}) {
-			gemvDebug = dbg;
-			time(dbg ? (dbg == 1 ? "head/1" : dbg == 2 ? "head/2" : "head/3") : "head", (double)rowBytes(c.out_type, c.embd) * c.vocab, [&] {
-				for (int i = 0; i < c.n_layer; i++)
-					launchGemv(e, n, c.output, nullptr, nullptr, c.vocab, 0, 0, c.embd, c.out_type, e->x, (const float *)c.out_norm, e->logits,
-					           c.vocab, kStore);
-			});
-		}
-	gemvDebug = 0;
+		timeParts("head", (double)rowBytes(c.out_type, c.embd) * c.vocab, [&] {
+			for (int i = 0; i < c.n_layer; i++)
+				launchGemv(e, n, c.output, nullptr, nullptr, c.vocab, 0, 0, c.embd, c.out_type, e->x, (const float *)c.out_norm, e->logits, c.vocab, kStore);
+		});
 	cudaEventDestroy(t0), cudaEventDestroy(t1);
 }
 
