@@ -10,6 +10,8 @@
 # It also builds meshnode's fused decode kernels (ggufstage/cuda/fused.cu)
 # into libmeshnode-fused.so beside them (seconds); a stage on an NVIDIA GPU
 # uses them for one-token decode steps (serve --fused-decode, default auto).
+# They need sm_80 (Ampere) or newer; on older GPUs the script says so and
+# builds the rest, and stages decode through ggml's kernels.
 #
 # Needs cmake (>= 3.21), a C/C++ compiler and the CUDA toolkit (nvcc). It
 # builds only the ggml-cuda target (a few minutes on 16 cores) and installs
@@ -30,7 +32,7 @@ while [ $# -gt 0 ]; do
     --out) out="$2"; shift 2 ;;
     -j) jobs="$2"; shift 2 ;;
     --fused-only) fused_only=1; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
