@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
     --out) out="$2"; shift 2 ;;
     -j) jobs="$2"; shift 2 ;;
     --fused-only) fused_only=1; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
