@@ -1698,8 +1698,8 @@ struct mf_engine {
 	float *hostIO = nullptr;   // pinned: hidden in, and out
 	int *hostPicks = nullptr;    // greedy picks of a pass's rows (last stage), pinned
 	int *hostPicksDev = nullptr; // its device address: greedyPicks writes there
-	float *pickV = nullptr;   // greedyPicks' candidates: rows × kPickBlocks values
-	int *pickAt = nullptr;    // and their indices
+	float *pickV = nullptr;      // greedyPicks' candidates: rows × kPickBlocks values
+	int *pickAt = nullptr;       // and their indices
 	int pdl = 1;
 	int codeArch = 0; // the target the device code was built for (codeArch): below 900 no PDL or clusters
 	int quantO = 1; // MESHNODE_FUSED_QUANT_O=0: O's input quantized by quantizeImage, not by attention
@@ -1736,6 +1736,14 @@ namespace {
 
 // launch queues a kernel that may begin before the one before it ends
 // (see pdlWait).
+// clusterAttr is the launch attribute of clusters of n blocks.
+cudaLaunchAttribute clusterAttr(int n) {
+	cudaLaunchAttribute at;
+	at.id = cudaLaunchAttributeClusterDimension;
+	at.val.clusterDim.x = n, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
+	return at;
+}
+
 template <typename Args>
 void launch(mf_engine *e, void (*kernel)(Args), dim3 grid, int threads, size_t smem, Args args, int cluster = 1) {
 	cudaLaunchConfig_t cfg = {};
@@ -1746,8 +1754,7 @@ void launch(mf_engine *e, void (*kernel)(Args), dim3 grid, int threads, size_t s
 	cudaLaunchAttribute at[2];
 	at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
 	at[0].val.programmaticStreamSerializationAllowed = e->pdl;
-	at[1].id = cudaLaunchAttributeClusterDimension;
-	at[1].val.clusterDim.x = cluster, at[1].val.clusterDim.y = 1, at[1].val.clusterDim.z = 1;
+	at[1] = clusterAttr(cluster);
 	cfg.attrs = at;
 	cfg.numAttrs = cluster > 1 ? 2 : 1;
 	cudaLaunchKernelEx(&cfg, kernel, args);
@@ -1906,10 +1913,8 @@ bool clustersFit(mf_engine *e, int k) {
 	cfg.gridDim = dim3(e->sms * blocksPerSM(a, e->smemSM));
 	cfg.blockDim = dim3(a.threads);
 	cfg.dynamicSmemBytes = gemvSmem(a);
-	cudaLaunchAttribute at[1];
-	at[0].id = cudaLaunchAttributeClusterDimension;
-	at[0].val.clusterDim.x = e->cluster, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-	cfg.attrs = at, cfg.numAttrs = 1;
+	cudaLaunchAttribute at = clusterAttr(e->cluster);
+	cfg.attrs = &at, cfg.numAttrs = 1;
 	int clusters = 0;
 	if (cudaOccupancyMaxActiveClusters(&clusters, gemvFor(a), &cfg) != cudaSuccess) {
 		cudaGetLastError(); // clear it: the engine works without clusters
