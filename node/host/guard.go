@@ -99,6 +99,7 @@ type guard struct {
 	oldProofKey []byte       // v1 proofs: meshnode before the link cipher, which cannot talk to us
 	v2ProofKey  []byte       // v2 proofs: meshnode whose link cipher never ended, which cannot talk to us either
 	linkKey     []byte       // the link cipher's keys are derived from it and both proofs' nonces
+	localKey    []byte       // local connections' handshake MACs (local.go)
 	busyPoll    atomic.Int64 // the busy-poll window of every connection, ns (see busypoll.go)
 }
 
@@ -110,6 +111,7 @@ func newGuard(key MeshKey, allow func(peer.ID) bool, log *zap.Logger) *guard {
 		oldProofKey: key.derive("conn proof v1", 32),
 		v2ProofKey:  key.derive("conn proof v2", 32),
 		linkKey:     key.derive("link v3", 32),
+		localKey:    key.derive("local v1", 32),
 	}
 }
 
