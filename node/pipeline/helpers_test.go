@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"math"
 	"net"
+	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -160,15 +162,61 @@ type stageOpts struct {
 	wrap         func(stage.Engine) stage.Engine
 	maxSeqs      int                           // overrides the engine options' when > 0
 	vocab        func() (*sample.Vocab, error) // for JSON output, on the last stage
+	sockets      *socketRoutes                 // the stage dials its next hop over socket streams
+}
+
+// socketRoutes maps each test stage's address to its socket server's Unix
+// socket, for Dialers that carry Forward streams over socket streams.
+type socketRoutes struct {
+	mu    sync.Mutex
+	paths map[string]string
+	kill  map[string]*killSwitch // the dialing stage's, so that its death cuts them too
+}
+
+func (r *socketRoutes) add(addr, path string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.paths == nil {
+		r.paths = map[string]string{}
+	}
+	r.paths[addr] = path
+}
+
+// dialer returns a Dialer whose Forward streams to a stage go over socket
+// streams (tracked by kill, when set), its other calls through grpcDial.
+func (r *socketRoutes) dialer(grpcDial Dialer, kill *killSwitch) Dialer {
+	return func(ctx context.Context, addr string) (grpc.ClientConnInterface, error) {
+		r.mu.Lock()
+		path, ok := r.paths[addr]
+		r.mu.Unlock()
+		if !ok {
+			return nil, fmt.Errorf("no socket for %s", addr)
+		}
+		other, err := grpcDial(ctx, addr)
+		if err != nil {
+			return nil, err
+		}
+		return OverSockets(SocketConfig{Other: other, Dial: func(ctx context.Context) (net.Conn, error) {
+			c, err := (&net.Dialer{}).DialContext(ctx, "unix", path)
+			if err != nil || kill == nil {
+				return c, err
+			}
+			return kill.track(c)
+		}}), nil
+	}
 }
 
 // testStage is one stage served on loopback TCP by its own grpc.Server.
 type testStage struct {
-	addr  string
-	gs    *grpc.Server
-	srv   *Server
-	conns *Conns
-	kill  *killSwitch
+	addr string
+	sock string // the socket server's Unix socket
+	gs   *grpc.Server
+	ss   *SocketServer
+	// sockBytes counts the bytes of its socket streams, both ways.
+	sockBytes atomic.Int64
+	srv       *Server
+	conns     *Conns
+	kill      *killSwitch
 
 	mu  sync.Mutex
 	bad []string // OnBadPeer reports
@@ -202,8 +250,12 @@ func startStage(t testing.TB, e stage.Engine, o stageOpts) *testStage {
 	if o.wrap != nil {
 		e = o.wrap(e)
 	}
+	dial := ts.conns.Dial
+	if o.sockets != nil {
+		dial = o.sockets.dialer(ts.conns.Dial, ts.kill)
+	}
 	ts.srv, err = NewServer(ServerConfig{
-		Engine: e, Dial: ts.conns.Dial, ModelID: "stories260K", ModelHash: "test-hash",
+		Engine: e, Dial: dial, ModelID: "stories260K", ModelHash: "test-hash",
 		MaxFrameBytes: o.maxFrame, SetupTimeout: o.setupTimeout, Vocab: o.vocab,
 		OnBadPeer: func(peer string, err error) {
 			ts.mu.Lock()
@@ -225,7 +277,30 @@ func startStage(t testing.TB, e stage.Engine, o stageOpts) *testStage {
 		defer close(served)
 		_ = ts.gs.Serve(killListener{ln, ts.kill})
 	}()
+	// The same server's streams over socket streams on a Unix socket.
+	dir, err := os.MkdirTemp("", "mn") // short: a socket's path has at most 104-108 bytes
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	ts.sock = filepath.Join(dir, "stage.sock")
+	sln, err := net.Listen("unix", ts.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts.ss = NewSocketServer(ts.srv, SocketServerConfig{MaxRecvBytes: o.maxFrame,
+		Count: func(_, _ string, n int) { ts.sockBytes.Add(int64(n)) }})
+	sserved := make(chan struct{})
+	go func() {
+		defer close(sserved)
+		_ = ts.ss.Serve(killListener{sln, ts.kill})
+	}()
+	if o.sockets != nil {
+		o.sockets.add(ts.addr, ts.sock)
+	}
 	t.Cleanup(func() {
+		ts.ss.Stop()
+		<-sserved
 		ts.gs.Stop()
 		<-served
 		ts.srv.Close()
@@ -236,10 +311,29 @@ func startStage(t testing.TB, e stage.Engine, o stageOpts) *testStage {
 
 // mesh is a route of test stages and an origin's connections to them.
 type mesh struct {
-	stages []*testStage
-	route  []Hop
-	conns  *Conns
+	stages  []*testStage
+	route   []Hop
+	conns   *Conns
+	sockets *socketRoutes // newSocketMesh's
 }
+
+// newSocketMesh is newMesh whose stages reach their next hops over socket
+// streams; m.dialSockets does the same for the origin.
+func newSocketMesh(t testing.TB, bounds []int, eo ggufstage.Options, so ...stageOpts) *mesh {
+	t.Helper()
+	routes := &socketRoutes{}
+	all := make([]stageOpts, len(bounds)-1)
+	copy(all, so)
+	for i := range all {
+		all[i].sockets = routes
+	}
+	m := newMesh(t, bounds, eo, all...)
+	m.sockets = routes
+	return m
+}
+
+// dialSockets is the origin's Dialer of a newSocketMesh.
+func (m *mesh) dialSockets() Dialer { return m.sockets.dialer(m.conns.Dial, nil) }
 
 func newMesh(t testing.TB, bounds []int, eo ggufstage.Options, so ...stageOpts) *mesh {
 	t.Helper()

@@ -23,6 +23,7 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 		logits bool
 		so     []stageOpts
 		inproc bool // the origin reaches hop 0 in process, as a node reaches its own stage
+		socket bool // every hop over socket streams, as between nodes of one machine
 	}{
 		{name: "f32", dtype: stage.F32, logits: true},
 		{name: "f16", dtype: stage.F16},
@@ -30,10 +31,19 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 		// activations travel in parts of 5 rows.
 		{name: "f16 split", dtype: stage.F16, so: []stageOpts{{}, {maxFrame: 1 << 10}, {maxFrame: 1 << 10}}},
 		{name: "in-process hop 0", dtype: stage.F32, logits: true, inproc: true},
+		{name: "sockets", dtype: stage.F32, logits: true, socket: true},
+		{name: "sockets f16 split", dtype: stage.F16, socket: true, so: []stageOpts{{}, {maxFrame: 1 << 10}, {maxFrame: 1 << 10}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			m := newMesh(t, threeStages, engineOpts, tc.so...)
+			var m *mesh
 			cfg := Config{WireDType: tc.dtype, ReturnLogits: tc.logits}
+			switch {
+			case tc.socket:
+				m = newSocketMesh(t, threeStages, engineOpts, tc.so...)
+				cfg.Dial = m.dialSockets()
+			default:
+				m = newMesh(t, threeStages, engineOpts, tc.so...)
+			}
 			if tc.inproc {
 				cfg.Dial = m.dialHop0InProcess()
 			}
@@ -69,6 +79,9 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 			for i, s := range m.stages {
 				if bad := s.badReports(); len(bad) > 0 {
 					t.Errorf("stage %d reported bad peers: %v", i, bad)
+				}
+				if n := s.sockBytes.Load(); (n > 0) != tc.socket {
+					t.Errorf("stage %d: %d bytes through its socket streams", i, n)
 				}
 			}
 		})

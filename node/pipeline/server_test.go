@@ -316,25 +316,40 @@ func decodeUntilError(t *testing.T, p *Pipeline, kill func()) (time.Duration, er
 // A stage whose process dies (every socket of it cut at once) fails the
 // step in flight, names the hop, and breaks the pipeline.
 func TestStageDies(t *testing.T) {
-	for hop := range 3 {
-		t.Run(fmt.Sprintf("hop %d", hop), func(t *testing.T) {
-			m := newMesh(t, threeStages, engineOpts)
-			p := m.pipeline(t, Config{StepTimeout: 5 * time.Second})
-			took, err := decodeUntilError(t, p, m.stages[hop].kill.kill)
-			var he *HopError
-			if !errors.As(err, &he) || he.Hop != hop || he.Peer != m.route[hop].Peer {
-				t.Fatalf("error %v, want one naming hop %d", err, hop)
+	for _, sockets := range []bool{false, true} {
+		for hop := range 3 {
+			name := fmt.Sprintf("hop %d", hop)
+			if sockets {
+				name += " over sockets"
 			}
-			if took > 5*time.Second {
-				t.Fatalf("error after %s", took)
-			}
-			if p.Err() == nil {
-				t.Fatal("pipeline not broken")
-			}
-			if _, err := p.Forward(context.Background(), twoSeqs.decode(0, []int32{1, 1})); err == nil {
-				t.Fatal("a broken pipeline ran a step")
-			}
-		})
+			t.Run(name, func(t *testing.T) { stageDies(t, hop, sockets) })
+		}
+	}
+}
+
+func stageDies(t *testing.T, hop int, sockets bool) {
+	var m *mesh
+	cfg := Config{StepTimeout: 5 * time.Second}
+	if sockets {
+		m = newSocketMesh(t, threeStages, engineOpts)
+		cfg.Dial = m.dialSockets()
+	} else {
+		m = newMesh(t, threeStages, engineOpts)
+	}
+	p := m.pipeline(t, cfg)
+	took, err := decodeUntilError(t, p, m.stages[hop].kill.kill)
+	var he *HopError
+	if !errors.As(err, &he) || he.Hop != hop || he.Peer != m.route[hop].Peer {
+		t.Fatalf("error %v, want one naming hop %d", err, hop)
+	}
+	if took > 5*time.Second {
+		t.Fatalf("error after %s", took)
+	}
+	if p.Err() == nil {
+		t.Fatal("pipeline not broken")
+	}
+	if _, err := p.Forward(context.Background(), twoSeqs.decode(0, []int32{1, 1})); err == nil {
+		t.Fatal("a broken pipeline ran a step")
 	}
 }
 

@@ -1,0 +1,341 @@
+package pipeline
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+
+	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
+)
+
+// serveSockets serves srv's streams on a new Unix socket and returns its
+// path and the server.
+func serveSockets(t *testing.T, srv meshnodev1.StageServiceServer, cfg SocketServerConfig) (string, *SocketServer) {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "mn")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	path := filepath.Join(dir, "s.sock")
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := NewSocketServer(srv, cfg)
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(ln) }()
+	t.Cleanup(func() {
+		s.Stop()
+		if err := <-done; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	})
+	return path, s
+}
+
+func dialUnix(path string) func(context.Context) (net.Conn, error) {
+	return func(ctx context.Context) (net.Conn, error) { return (&net.Dialer{}).DialContext(ctx, "unix", path) }
+}
+
+// tokensFrame is a frame of step with n token ids of 3 bytes each.
+func tokensFrame(step uint64, n int) *meshnodev1.Frame {
+	ids := make([]int32, n)
+	for i := range ids {
+		ids[i] = 100000
+	}
+	return &meshnodev1.Frame{Step: step, Body: &meshnodev1.Frame_Tokens{Tokens: &meshnodev1.Tokens{TokenIds: ids}}}
+}
+
+// rawMessage is one socket stream message as the wire has it.
+func rawMessage(kind byte, body []byte) []byte {
+	b := []byte{kind, 0, 0, 0, 0}
+	binary.LittleEndian.PutUint32(b[1:], uint32(len(body)))
+	return append(b, body...)
+}
+
+// TestSocketStream checks that a socket stream behaves as a gRPC one does
+// for what the pipeline relies on, as TestInProcessStream does for
+// in-process streams, and that bad input from either end ends only its
+// stream, with a reason.
+func TestSocketStream(t *testing.T) {
+	var named atomic.Bool // the handler's context names its peer
+	echo := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
+		if p, ok := peer.FromContext(s.Context()); ok && p.Addr != nil {
+			named.Store(true)
+		}
+		for {
+			f, err := s.Recv()
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			if err := s.Send(f); err != nil {
+				return err
+			}
+		}
+	}}
+	var sent, received atomic.Int64
+	path, _ := serveSockets(t, echo, SocketServerConfig{MaxRecvBytes: 1 << 10})
+	conn := OverSockets(SocketConfig{Dial: dialUnix(path), Other: InProcess(echo), MaxRecvBytes: 1 << 10,
+		Count: func(dir string, n int) {
+			if dir == "sent" {
+				sent.Add(int64(n))
+			} else {
+				received.Add(int64(n))
+			}
+		}})
+
+	t.Run("echo", func(t *testing.T) {
+		s, err := meshnodev1.NewStageServiceClient(conn).Forward(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range uint64(3) {
+			if err := s.Send(tokensFrame(i, 10)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := s.CloseSend(); err != nil {
+			t.Fatal(err)
+		}
+		for i := range uint64(3) {
+			f, err := s.Recv()
+			if err != nil || f.GetStep() != i || len(f.GetTokens().GetTokenIds()) != 10 {
+				t.Fatalf("frame %d: %v, %v", i, f, err)
+			}
+		}
+		if _, err := s.Recv(); !errors.Is(err, io.EOF) {
+			t.Fatalf("after the handler returned: %v, want EOF", err)
+		}
+		if sent.Load() == 0 || sent.Load() != received.Load() {
+			t.Fatalf("counted %d bytes sent, %d received", sent.Load(), received.Load())
+		}
+		if !named.Load() {
+			t.Fatal("the handler's context does not name its peer")
+		}
+	})
+	t.Run("handler error", func(t *testing.T) {
+		bad := fakeStage{forward: func(meshnodev1.StageService_ForwardServer) error {
+			return status.Error(codes.InvalidArgument, "bad frame")
+		}}
+		path, _ := serveSockets(t, bad, SocketServerConfig{})
+		s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Forward(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Recv(); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "bad frame") {
+			t.Fatalf("Recv: %v, want InvalidArgument", err)
+		}
+		if err := s.Send(&meshnodev1.Frame{}); !errors.Is(err, io.EOF) {
+			t.Fatalf("Send after the handler returned: %v, want EOF", err)
+		}
+	})
+	t.Run("cancel", func(t *testing.T) {
+		ended := make(chan error, 1)
+		blocked := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
+			_, err := s.Recv()
+			ended <- err
+			return err
+		}}
+		path, _ := serveSockets(t, blocked, SocketServerConfig{})
+		ctx, cancel := context.WithCancel(t.Context())
+		s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Forward(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond) // the handler is in Recv
+		cancel()
+		select {
+		case err := <-ended:
+			if status.Code(err) != codes.Canceled {
+				t.Fatalf("the handler's Recv: %v, want Canceled", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("the handler did not end when the client canceled")
+		}
+		if _, err := s.Recv(); status.Code(err) != codes.Canceled {
+			t.Fatalf("client Recv: %v, want Canceled", err)
+		}
+	})
+	t.Run("info goes to the other connection", func(t *testing.T) {
+		info, err := meshnodev1.NewStageServiceClient(conn).Info(t.Context(), &meshnodev1.InfoRequest{})
+		if err != nil || info.GetStart() != 2 || info.GetEnd() != 5 {
+			t.Fatalf("Info: %v, %v", info, err)
+		}
+		if _, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Info(t.Context(), &meshnodev1.InfoRequest{}); status.Code(err) != codes.Unimplemented {
+			t.Fatalf("Info without another connection: %v", err)
+		}
+	})
+	t.Run("fallback", func(t *testing.T) {
+		var why error
+		c := OverSockets(SocketConfig{Dial: dialUnix(path + ".gone"), Other: InProcess(echo), OnFallback: func(err error) { why = err }})
+		s, err := meshnodev1.NewStageServiceClient(c).Forward(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Send(&meshnodev1.Frame{Step: 7}); err != nil {
+			t.Fatal(err)
+		}
+		if f, err := s.Recv(); err != nil || f.GetStep() != 7 {
+			t.Fatalf("Recv: %v, %v", f, err)
+		}
+		if why == nil {
+			t.Fatal("OnFallback not told")
+		}
+		s.CloseSend()
+		if _, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path + ".gone")})).Forward(t.Context()); status.Code(err) != codes.Unavailable {
+			t.Fatalf("no socket and no other connection: %v", err)
+		}
+	})
+	t.Run("oversized, client to server", func(t *testing.T) {
+		s, err := meshnodev1.NewStageServiceClient(conn).Forward(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Send(tokensFrame(0, 1000)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Recv(); status.Code(err) != codes.ResourceExhausted {
+			t.Fatalf("Recv: %v, want ResourceExhausted", err)
+		}
+	})
+	t.Run("oversized, server to client", func(t *testing.T) {
+		big := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
+			return s.Send(tokensFrame(0, 1000))
+		}}
+		path, _ := serveSockets(t, big, SocketServerConfig{})
+		s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path), MaxRecvBytes: 1 << 10})).Forward(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Recv(); status.Code(err) != codes.ResourceExhausted {
+			t.Fatalf("Recv: %v, want ResourceExhausted", err)
+		}
+	})
+
+	// A peer that writes what it likes: each stream ends with a reason,
+	// the server goes on serving.
+	handlerErr := make(chan error, 8)
+	recorder := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
+		_, err := s.Recv()
+		handlerErr <- err
+		return err
+	}}
+	rpath, _ := serveSockets(t, recorder, SocketServerConfig{})
+	open := rawMessage(socketOpen, []byte(meshnodev1.StageService_Forward_FullMethodName))
+	for _, tt := range []struct {
+		name     string
+		send     []byte
+		wantCode codes.Code // the handler's Recv; OK: the handler never runs
+		wantEnd  codes.Code // the end message the peer gets
+	}{
+		{name: "not a frame", send: append(open, rawMessage(socketFrame, []byte{0xff, 0xff, 0xff})...), wantCode: codes.Internal, wantEnd: codes.Internal},
+		{name: "unknown kind", send: append(open, rawMessage(9, nil)...), wantCode: codes.Internal, wantEnd: codes.Internal},
+		{name: "cut mid-message", send: append(open, rawMessage(socketFrame, make([]byte, 100))[:50]...), wantCode: codes.Canceled},
+		{name: "unknown method", send: rawMessage(socketOpen, []byte("/x.Y/Z")), wantEnd: codes.Unimplemented},
+		{name: "no open", send: rawMessage(socketFrame, nil)},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := net.Dial("unix", rpath)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			if _, err := c.Write(tt.send); err != nil {
+				t.Fatal(err)
+			}
+			c.(*net.UnixConn).CloseWrite()
+			if tt.wantCode != codes.OK {
+				select {
+				case err := <-handlerErr:
+					if status.Code(err) != tt.wantCode {
+						t.Fatalf("handler's Recv: %v, want %v", err, tt.wantCode)
+					}
+				case <-time.After(5 * time.Second):
+					t.Fatal("the handler did not end")
+				}
+			}
+			_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+			reply, err := io.ReadAll(c)
+			if err != nil {
+				t.Fatalf("reading the server's reply: %v", err)
+			}
+			switch {
+			case tt.wantEnd == codes.OK && len(reply) > 0:
+				t.Fatalf("the server answered %q", reply)
+			case tt.wantEnd != codes.OK && (len(reply) < socketHeader+4 || reply[0] != socketEnd || codes.Code(binary.LittleEndian.Uint32(reply[socketHeader:])) != tt.wantEnd):
+				t.Fatalf("the server answered %q, want an end with %v", reply, tt.wantEnd)
+			}
+		})
+	}
+	select {
+	case err := <-handlerErr:
+		t.Fatalf("a handler ran for nothing: %v", err)
+	default:
+	}
+	// ... and still serves.
+	s, err := meshnodev1.NewStageServiceClient(conn).Forward(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Send(&meshnodev1.Frame{Step: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if f, err := s.Recv(); err != nil || f.GetStep() != 1 {
+		t.Fatalf("after the bad peers: %v, %v", f, err)
+	}
+}
+
+// TestSocketServerStop: Stop ends every stream's handler and Serve.
+func TestSocketServerStop(t *testing.T) {
+	got, ended := make(chan struct{}), make(chan error, 1)
+	blocked := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
+		if _, err := s.Recv(); err != nil {
+			return err
+		}
+		close(got)
+		_, err := s.Recv()
+		ended <- err
+		return err
+	}}
+	path, srv := serveSockets(t, blocked, SocketServerConfig{})
+	s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Forward(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Send(&meshnodev1.Frame{}); err != nil {
+		t.Fatal(err)
+	}
+	<-got // the handler's next Recv blocks until Stop
+	stopped := make(chan struct{})
+	go func() { srv.Stop(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Stop did not return")
+	}
+	if err := <-ended; status.Code(err) != codes.Canceled {
+		t.Fatalf("the handler's Recv at Stop: %v, want Canceled", err)
+	}
+	if _, err := s.Recv(); err == nil || errors.Is(err, io.EOF) {
+		t.Fatalf("client Recv after Stop: %v", err)
+	}
+	if _, err := net.Dial("unix", path); err == nil {
+		t.Fatal("the socket still accepts after Stop")
+	}
+}
