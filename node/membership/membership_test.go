@@ -17,18 +17,21 @@ var testKey = [32]byte{1, 2, 3, 4, 5, 6, 7, 8, 9}
 
 func sampleMeta(name string) Meta {
 	return Meta{
-		Name:     name,
-		Addrs:    []string{"/ip4/127.0.0.1/tcp/4001/p2p/" + name},
-		HTTP:     "127.0.0.1:8080",
-		Engine:   "ggml",
-		Backend:  "cpu",
-		Compute:  "5f0c6e8a91d2b374",
-		MemTotal: 16 << 30,
-		MemFree:  8 << 30,
-		Speed:    12.5,
-		Models:   []ModelRef{{ID: "qwen3-0.6b-q8", Name: "Qwen3 0.6B", HasFile: true}},
-		Serving:  []Serve{{Model: "qwen3-0.6b-q8", Start: 0, End: 28}},
-		State:    NodeReady,
+		Name:    name,
+		Addrs:   []string{"/ip4/127.0.0.1/tcp/4001/p2p/" + name},
+		HTTP:    "127.0.0.1:8080",
+		Engine:  "ggml",
+		Backend: "cpu",
+		Compute: "5f0c6e8a91d2b374",
+		// Where nodes of this machine reach it: must travel too.
+		LocalHost:   "9a1b2c3d4e5f6071",
+		LocalSocket: "/tmp/meshnode-1000/0123456789abcdef.sock",
+		MemTotal:    16 << 30,
+		MemFree:     8 << 30,
+		Speed:       12.5,
+		Models:      []ModelRef{{ID: "qwen3-0.6b-q8", Name: "Qwen3 0.6B", HasFile: true}},
+		Serving:     []Serve{{Model: "qwen3-0.6b-q8", Start: 0, End: 28}},
+		State:       NodeReady,
 	}
 }
 
@@ -348,6 +351,9 @@ func TestMetaCodec(t *testing.T) {
 	nm, err := decodeNodeMeta(b)
 	if err != nil || !nm.full || nm.meta.Name != "p" || nm.meta.Version != 7 || nm.meta.Serving[0].End != 28 {
 		t.Fatalf("decode: %+v %v", nm, err)
+	}
+	if got := nm.meta; got.Compute != small.Compute || got.LocalHost != small.LocalHost || got.LocalSocket != small.LocalSocket {
+		t.Fatalf("decode: compute %q, local %q %q", got.Compute, got.LocalHost, got.LocalSocket)
 	}
 
 	big := bigMeta("p", 200)

@@ -82,16 +82,21 @@ type Meta struct {
 	Backend string
 	// Compute names the hardware this node's layers run on (a hash of
 	// its machine and device): stages with equal values take turns on it.
-	Compute  string
-	MemTotal uint64
-	MemFree  uint64
-	Speed    float64
-	Models   []ModelRef
-	Serving  []Serve
-	Pins     []Serve // layer ranges this node was told to serve (--layers)
-	Load     float64 // queued + active requests
-	State    string  // NodeLoading, NodeReady, NodeDraining
-	LoadPct  float32
+	Compute string
+	// LocalHost and LocalSocket say where nodes that share this machine's
+	// kernel and network namespace reach this node's stages without TCP:
+	// LocalHost is a hash of the two (equal values can reach each other's
+	// Unix sockets), LocalSocket the socket's path. Empty: not offered.
+	LocalHost, LocalSocket string
+	MemTotal               uint64
+	MemFree                uint64
+	Speed                  float64
+	Models                 []ModelRef
+	Serving                []Serve
+	Pins                   []Serve // layer ranges this node was told to serve (--layers)
+	Load                   float64 // queued + active requests
+	State                  string  // NodeLoading, NodeReady, NodeDraining
+	LoadPct                float32
 	// Version is assigned by UpdateMeta (it grows on every update, across
 	// restarts too); a value set by the caller is ignored.
 	Version uint64
@@ -141,6 +146,8 @@ type cold struct {
 	B  string      `json:"b,omitempty"`
 	CO string      `json:"co,omitempty"`
 	ES []string    `json:"es,omitempty"`
+	LH string      `json:"lh,omitempty"`
+	LS string      `json:"ls,omitempty"`
 	M  []wireModel `json:"m,omitempty"`
 	SV []wireServe `json:"sv,omitempty"`
 	PN []wireServe `json:"pn,omitempty"`
@@ -177,7 +184,7 @@ type wireSummary struct {
 const maxStateStr = 32
 
 func toCold(m Meta) cold {
-	c := cold{N: m.Name, A: m.Addrs, H: m.HTTP, E: m.Engine, B: m.Backend, CO: m.Compute, ES: m.Engines}
+	c := cold{N: m.Name, A: m.Addrs, H: m.HTTP, E: m.Engine, B: m.Backend, CO: m.Compute, ES: m.Engines, LH: m.LocalHost, LS: m.LocalSocket}
 	for _, x := range m.Models {
 		c.M = append(c.M, wireModel{I: x.ID, N: x.Name, F: x.HasFile, S: x.Split, C: x.Context, P: x.Parallel, U: x.Source, E: x.Engine})
 	}
@@ -202,6 +209,7 @@ func toHotBye(m Meta, bye bool) hot {
 
 func (c cold) apply(m *Meta) {
 	m.Name, m.Addrs, m.HTTP, m.Engine, m.Backend, m.Compute, m.Engines = c.N, c.A, c.H, c.E, c.B, c.CO, c.ES
+	m.LocalHost, m.LocalSocket = c.LH, c.LS
 	m.Models, m.Serving, m.Pins = nil, nil, nil
 	for _, x := range c.M {
 		m.Models = append(m.Models, ModelRef{ID: x.I, Name: x.N, HasFile: x.F, Split: x.S, Context: x.C, Parallel: x.P, Source: x.U, Engine: x.E})
