@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -65,9 +66,13 @@ type mesh struct {
 	files    weights.FileIndex
 	grpcSrv  *grpc.Server
 	mux      *stageMux
-	budget   uint64
-	speed    float64
-	self     string
+	// The local socket that nodes on this machine reach the stage by
+	// (Config.LocalHops); nil without one.
+	sockLn  *host.LocalListener
+	sockSrv *pipeline.SocketServer
+	budget  uint64
+	speed   float64
+	self    string
 
 	pubMu sync.Mutex // publish's turn
 
@@ -225,12 +230,23 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 		m.meta.Addrs = append(m.meta.Addrs, a.String())
 	}
 	m.meta.Pins = cfg.pins()
+	if cfg.LocalHops != ggufstage.Off {
+		if ln, err := h.ListenLocal(); err != nil {
+			log.Warn("stages on this machine will reach this node over TCP", zap.Error(err))
+		} else {
+			m.sockLn = ln
+			m.meta.LocalHost, m.meta.LocalSocket = socketHostID(), ln.Path()
+		}
+	}
 	ml, err := membership.New(membership.Config{
 		Name: m.self, BindAddr: cfg.GossipBind, BindPort: gossipPort, PortFallback: cfg.GossipPort == 0,
 		SecretKey: key.GossipKey(), Logger: log.Named("gossip"),
 		Meta: func() membership.Meta { return m.meta },
 	})
 	if err != nil {
+		if m.sockLn != nil {
+			m.sockLn.Close()
+		}
 		h.Close()
 		return nil, fmt.Errorf("starting gossip: %w", err)
 	}
@@ -256,6 +272,10 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 	meshnodev1.RegisterStageServiceServer(m.grpcSrv, m.mux)
 	ln := h.Listen(StageProtocol)
 	go m.grpcSrv.Serve(ln) // stopped in close
+	if m.sockLn != nil {
+		m.sockSrv = pipeline.NewSocketServer(m.mux, pipeline.SocketServerConfig{Count: m.obs.hopBytes})
+		go m.sockSrv.Serve(m.sockLn) // stopped in close
+	}
 
 	for _, addr := range cfg.Join {
 		if err := m.join(ctx, addr); err != nil {
@@ -268,11 +288,48 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 
 // libp2p already authenticates and encrypts every stream, so gRPC runs
 // without TLS of its own over them.
-func (m *mesh) dial(ctx context.Context, peer string) (grpc.ClientConnInterface, error) {
-	if peer == m.self {
+func (m *mesh) dial(ctx context.Context, to string) (grpc.ClientConnInterface, error) {
+	if to == m.self {
 		return m.selfConn, nil
 	}
-	return m.conns.Dial(ctx, "passthrough:///"+peer)
+	cc, err := m.conns.Dial(ctx, "passthrough:///"+to)
+	if err != nil || m.sockLn == nil {
+		return cc, err
+	}
+	path := m.localSocketOf(to)
+	id, perr := peer.Decode(to)
+	if path == "" || perr != nil {
+		return cc, nil
+	}
+	// A node on this machine: its stage's streams go over its local
+	// socket, the rest (Info) and any stream the socket cannot take over
+	// libp2p.
+	return pipeline.OverSockets(pipeline.SocketConfig{
+		Dial: func(ctx context.Context) (net.Conn, error) {
+			c, err := m.host.DialLocal(ctx, path, id)
+			if err == nil {
+				m.obs.metrics.LocalStream(to)
+			}
+			return c, err
+		},
+		Other: cc,
+		OnFallback: func(err error) {
+			m.log.Warn("reaching a stage on this machine over TCP: its local socket failed", zap.String("peer", to), zap.Error(err))
+		},
+		Count: func(dir string, n int) { m.obs.hopBytes(to, dir, n) },
+	}), nil
+}
+
+// localSocketOf is the local socket of peer when it runs on this machine
+// (and network namespace), else "".
+func (m *mesh) localSocketOf(peer string) string {
+	for _, mem := range m.ml.Members() {
+		md := mem.Meta
+		if md.PeerID == peer && md.LocalHost == m.meta.LocalHost && md.LocalSocket != "" {
+			return md.LocalSocket
+		}
+	}
+	return ""
 }
 
 func meshKey(cfg Config) (host.MeshKey, error) {
@@ -325,6 +382,12 @@ func (m *mesh) close() {
 	}
 	if m.grpcSrv != nil {
 		m.grpcSrv.Stop()
+	}
+	if m.sockSrv != nil {
+		m.sockSrv.Stop()
+	}
+	if m.sockLn != nil {
+		m.sockLn.Close()
 	}
 	if local != nil {
 		local.close()

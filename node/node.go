@@ -82,6 +82,11 @@ type Config struct {
 	// default) is DefaultBusyPoll on a node whose layers run on a GPU, off
 	// elsewhere; 0 is off.
 	BusyPoll time.Duration
+	// LocalHops: stages of nodes on this machine (and network namespace)
+	// reach each other over a Unix socket instead of TCP (host.ListenLocal,
+	// pipeline.OverSockets). Auto and On: where the OS has Unix sockets;
+	// Off: always TCP.
+	LocalHops ggufstage.Switch
 
 	// Ready, if set, is called with the HTTP address once the node serves.
 	Ready func(addr string)

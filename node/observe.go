@@ -517,18 +517,25 @@ func (h hopStats) setPeer(p *rpcPeer, a interface{ String() string }) {
 }
 
 func (h hopStats) add(p *rpcPeer, dir string, n int) {
-	id := p.id.Load()
-	if id == nil || n <= 0 {
+	if id := p.id.Load(); id != nil {
+		h.o.hopBytes(*id, dir, n)
+	}
+}
+
+// hopBytes counts n bytes of stage traffic sent to or received from peer
+// (dir "sent" or "received"), over gRPC or a local socket.
+func (o *observer) hopBytes(peer, dir string, n int) {
+	if n <= 0 {
 		return
 	}
-	h.o.metrics.HopBytes(*id, dir, n)
-	h.o.mu.Lock()
+	o.metrics.HopBytes(peer, dir, n)
+	o.mu.Lock()
 	if dir == "sent" {
-		h.o.sent[*id] += uint64(n)
+		o.sent[peer] += uint64(n)
 	} else {
-		h.o.recv[*id] += uint64(n)
+		o.recv[peer] += uint64(n)
 	}
-	h.o.mu.Unlock()
+	o.mu.Unlock()
 }
 
 func (h hopStats) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }

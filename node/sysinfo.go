@@ -61,6 +61,17 @@ func computeID(device string) string {
 	return fmt.Sprintf("%016x", h.Sum64())
 }
 
+// socketHostID names what a Unix socket is reachable from: this machine's
+// kernel, within one network namespace where the OS has them (nodes in
+// two namespaces, as in the network tests, talk over their network, as
+// nodes of two machines do).
+func socketHostID() string {
+	h := fnv.New64a()
+	ns, _ := os.Readlink("/proc/self/ns/net") // "net:[4026531840]"; absent off Linux
+	fmt.Fprintf(h, "%s\x00%s", machineID(), ns)
+	return fmt.Sprintf("%016x", h.Sum64())
+}
+
 // machineID names this machine: the OS's machine id where there is one
 // (systemd, D-Bus), else the hostname. Two machines cloned from one image
 // may share it; they then count as one machine, which only costs them

@@ -58,6 +58,7 @@ type Metrics struct {
 	stageAlloc   *prometheus.CounterVec
 	peerRTT      *prometheus.HistogramVec
 	hopBytes     *prometheus.CounterVec
+	localStreams *prometheus.CounterVec
 	http         *prometheus.CounterVec
 }
 
@@ -105,7 +106,9 @@ func NewMetrics(gauges func() Gauges) *Metrics {
 	m.peerRTT = f.histogramVec("meshnode_hop_rtt_seconds",
 		"Round trips to each peer (libp2p ping), label peer=peer ID; a pipeline hop's latency is the RTT between its two nodes.",
 		prometheus.ExponentialBucketsRange(0.00005, 2, 16), "peer")
-	m.hopBytes = f.counterVec("meshnode_hop_bytes_total", "Stage traffic (gRPC wire bytes) to and from each peer.", "peer", "direction")
+	m.hopBytes = f.counterVec("meshnode_hop_bytes_total", "Stage traffic (wire bytes of gRPC, or of local sockets' frames) to and from each peer.", "peer", "direction")
+	m.localStreams = f.counterVec("meshnode_local_stage_streams_total",
+		"Stage streams this node opened to nodes on its machine over their local Unix socket (serve --local-hops), by peer.", "peer")
 	m.http = f.counterVec("meshnode_http_requests_total", "HTTP requests to the OpenAI API by endpoint and status code.", "endpoint", "code")
 
 	m.reg.MustRegister(gaugeCollector{gauges})
@@ -179,6 +182,9 @@ func (m *Metrics) StagePhases(stage string, ahead, allocated uint64, graph, allo
 func (m *Metrics) PeerRTT(peer string, d time.Duration) {
 	m.peerRTT.WithLabelValues(peer).Observe(d.Seconds())
 }
+
+// LocalStream counts a stage stream opened to peer over its local socket.
+func (m *Metrics) LocalStream(peer string) { m.localStreams.WithLabelValues(peer).Inc() }
 
 // HopBytes counts stage traffic to ("sent") or from ("received") a peer.
 func (m *Metrics) HopBytes(peer, direction string, n int) {

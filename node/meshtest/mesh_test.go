@@ -34,6 +34,11 @@ func TestSplitMesh(t *testing.T) {
 					checkHealth(t, n)
 				}
 				m.checkHoldings(t)
+				// One machine, one network namespace: stages reach each
+				// other over their local sockets.
+				if n := localStreams(t, m.nodes); n == 0 {
+					t.Error("no stage stream went over a local socket")
+				}
 				if model == stories && wire == "f32" {
 					checkJSONAndLogprobs(t, m.nodes)
 					checkChoices(t, m.nodes[len(m.nodes)-1])
@@ -41,6 +46,17 @@ func TestSplitMesh(t *testing.T) {
 			})
 		}
 	}
+	// Without local sockets every hop goes over libp2p, as between
+	// machines.
+	t.Run(stories.id+"/f32/local-hops=off", func(t *testing.T) {
+		m := startMesh(t, stories, 3, "f32", "--local-hops=off")
+		for _, n := range m.nodes {
+			checkGreedy(t, n, stories)
+		}
+		if n := localStreams(t, m.nodes); n != 0 {
+			t.Errorf("%v stage streams went over local sockets", n)
+		}
+	})
 	// Stages on a GPU build each decode step's graph while the one before
 	// computes; CI has no GPU, so the mesh does it on the CPU here.
 	t.Run(stories.id+"/f32/build-ahead", func(t *testing.T) {
@@ -54,6 +70,21 @@ func TestSplitMesh(t *testing.T) {
 			}
 		}
 	})
+}
+
+// localStreams is how many stage streams the nodes opened over local
+// sockets.
+func localStreams(t *testing.T, nodes []*meshNode) float64 {
+	t.Helper()
+	sum := 0.0
+	for _, n := range nodes {
+		v, err := metricValue(n, "meshnode_local_stage_streams_total")
+		if err != nil && !strings.Contains(err.Error(), "has no") {
+			t.Fatal(err)
+		}
+		sum += v
+	}
+	return sum
 }
 
 // checkJSONAndLogprobs: a greedy chat reply with response_format
