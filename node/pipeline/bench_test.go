@@ -3,6 +3,7 @@ package pipeline
 import (
 	"context"
 	"fmt"
+	"net"
 	"testing"
 	"time"
 
@@ -151,10 +152,11 @@ func (e instantEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output
 // row), for one row and for a 16-row micro-batch, through two stages that
 // answer at once, hop 0 in process as on a node: over loopback TCP, and
 // over libp2p between two hosts of one mesh (the mesh's transport: its
-// link cipher, TLS and yamux). Greedy sampling, so the last stage returns
-// picks.
+// link cipher, TLS and yamux), and between the same two hosts over the
+// second's local socket (socket streams, as nodes of one machine use).
+// Greedy sampling, so the last stage returns picks.
 func BenchmarkWideStep(b *testing.B) {
-	for _, via := range []string{"tcp", "libp2p"} {
+	for _, via := range []string{"tcp", "libp2p", "local"} {
 		for _, rows := range []int{1, 16} {
 			b.Run(fmt.Sprintf("%s/rows=%d", via, rows), func(b *testing.B) {
 				var p *Pipeline
@@ -163,7 +165,7 @@ func BenchmarkWideStep(b *testing.B) {
 					m := newMesh(b, []int{0, 2, 5}, engineOpts, wide, wide)
 					p = m.pipeline(b, Config{Dial: m.dialHop0InProcess(), WireDType: stage.F32})
 				} else {
-					p = libp2pPipeline(b, 4096)
+					p = libp2pPipeline(b, 4096, via == "local")
 				}
 				step := &stage.Batch{}
 				for r := range rows {
@@ -193,8 +195,9 @@ func BenchmarkWideStep(b *testing.B) {
 
 // libp2pPipeline is a two-stage pipeline of wide instantEngines on two libp2p
 // hosts of one mesh, as two nodes run it: stage 0 and the origin share the
-// first host (hop 0 in process), stage 1 is served by the second.
-func libp2pPipeline(b *testing.B, embd int) *Pipeline {
+// first host (hop 0 in process), stage 1 is served by the second; with
+// local, its streams go over the second host's local socket.
+func libp2pPipeline(b *testing.B, embd int, local bool) *Pipeline {
 	const proto = "/meshnode/bench-stage/1"
 	key, err := host.GenerateMeshKey()
 	if err != nil {
@@ -216,12 +219,19 @@ func libp2pPipeline(b *testing.B, embd int) *Pipeline {
 	b.Cleanup(func() { conns.Close() })
 	engines := openEngines(b, []int{0, 2, 5}, ggufstage.Options{Threads: 1, MaxSeqs: 16, Context: 256})
 	self := hosts[0].ID().String()
-	var local *Server
+	var first *Server
+	sockPath := ""
 	dial := func(ctx context.Context, peer string) (grpc.ClientConnInterface, error) {
 		if peer == self {
-			return InProcess(local), nil
+			return InProcess(first), nil
 		}
-		return conns.Dial(ctx, "passthrough:///"+peer)
+		cc, err := conns.Dial(ctx, "passthrough:///"+peer)
+		if err != nil || sockPath == "" {
+			return cc, err
+		}
+		return OverSockets(SocketConfig{Other: cc, Dial: func(ctx context.Context) (net.Conn, error) {
+			return hosts[0].DialLocal(ctx, sockPath, hosts[1].ID())
+		}}), nil
 	}
 	srvs := make([]*Server, 2)
 	for i, e := range engines {
@@ -230,11 +240,21 @@ func libp2pPipeline(b *testing.B, embd int) *Pipeline {
 		}
 		b.Cleanup(func() { srvs[i].Close() })
 	}
-	local = srvs[0]
+	first = srvs[0]
 	gs := grpc.NewServer(wire.ServerOptions()...)
 	meshnodev1.RegisterStageServiceServer(gs, srvs[1])
 	go gs.Serve(hosts[1].Listen(proto))
 	b.Cleanup(gs.Stop)
+	if local {
+		ln, err := hosts[1].ListenLocal()
+		if err != nil {
+			b.Fatal(err)
+		}
+		ss := NewSocketServer(srvs[1], SocketServerConfig{})
+		go ss.Serve(ln)
+		b.Cleanup(ss.Stop)
+		sockPath = ln.Path()
+	}
 	p, err := New(ctx, Config{Dial: dial, WireDType: stage.F32, StepTimeout: 10 * time.Second, Route: []Hop{
 		{Peer: self, Start: 0, End: 2}, {Peer: hosts[1].ID().String(), Start: 2, End: 5},
 	}})
