@@ -61,14 +61,15 @@ func computeID(device string) string {
 	return fmt.Sprintf("%016x", h.Sum64())
 }
 
-// socketHostID names what a Unix socket is reachable from: this machine's
-// kernel, within one network namespace where the OS has them (nodes in
-// two namespaces, as in the network tests, talk over their network, as
-// nodes of two machines do).
+// socketHostID names who can reach this node's local socket: processes of
+// its user (the socket's directory is theirs alone) on this machine,
+// within one network namespace where the OS has them (nodes in two
+// namespaces, as in the network tests, talk over their network, as nodes
+// of two machines do).
 func socketHostID() string {
 	h := fnv.New64a()
 	ns, _ := os.Readlink("/proc/self/ns/net") // "net:[4026531840]"; absent off Linux
-	fmt.Fprintf(h, "%s\x00%s", machineID(), ns)
+	fmt.Fprintf(h, "%s\x00%s\x00%d", machineID(), ns, os.Getuid())
 	return fmt.Sprintf("%016x", h.Sum64())
 }
 
