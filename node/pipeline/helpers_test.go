@@ -170,7 +170,6 @@ type stageOpts struct {
 type socketRoutes struct {
 	mu    sync.Mutex
 	paths map[string]string
-	kill  map[string]*killSwitch // the dialing stage's, so that its death cuts them too
 }
 
 func (r *socketRoutes) add(addr, path string) {
