@@ -204,3 +204,36 @@ func TestLocalDirectoryChecked(t *testing.T) {
 		t.Fatalf("ListenLocal: %v", err)
 	}
 }
+
+// TestLocalStaleSocket: a socket left behind by a node of this identity
+// that died is replaced, not an error.
+func TestLocalStaleSocket(t *testing.T) {
+	t.Setenv("TMPDIR", t.TempDir())
+	h := newTestHost(t, mustMeshKey(t), nil, nil)
+	l, err := h.ListenLocal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := l.Path()
+	l.Close()
+	// What a killed process leaves: the file, with nobody listening.
+	stale, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stale.SetUnlinkOnClose(false)
+	stale.Close()
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("no stale socket to test with: %v", err)
+	}
+	l, err = h.ListenLocal()
+	if err != nil {
+		t.Fatalf("ListenLocal over a stale socket: %v", err)
+	}
+	defer l.Close()
+	c, err := newTestHost(t, h.key, nil, nil).DialLocal(t.Context(), l.Path(), h.ID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+}
