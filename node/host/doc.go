@@ -38,6 +38,14 @@
 // The optional allowlist (Config.Allow) is applied in the connection gater
 // after authentication and logged as "refused peer: not in allowlist".
 //
+// # Local connections
+//
+// Nodes of one machine, user and network namespace also meet over a Unix
+// socket (ListenLocal, DialLocal; local.go), in a directory only the user
+// may enter, after a handshake in which each end proves the mesh key and
+// its peer ID. What crosses it is not encrypted: it never leaves the
+// kernel.
+//
 // TCP reuseport is off so that a second node on one machine gets its own port
 // (fallback to an OS-chosen one) rather than silently sharing 4001.
 package host

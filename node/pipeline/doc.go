@@ -23,6 +23,14 @@
 // Several requests may be in flight at once (Pipeline.Submit), so that
 // micro-batch s+1 runs on hop 0 while micro-batch s runs on hop 1.
 //
+// # Transports
+//
+// Streams are gRPC's between nodes (over libp2p on a mesh), in process to a
+// node's own stage (InProcess), and between nodes of one machine socket
+// streams (OverSockets, SocketServer): length-prefixed frames on a
+// connection of their own, with gRPC's stream semantics (status codes, half
+// close, cancellation), so that Server and Pipeline cannot tell them apart.
+//
 // # Sequences and sampling
 //
 // Sequence ids belong to the origin; every stage maps (pipeline, id) to an
