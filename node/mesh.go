@@ -68,11 +68,12 @@ type mesh struct {
 	mux      *stageMux
 	// The local socket that nodes on this machine reach the stage by
 	// (Config.LocalHops); nil without one.
-	sockLn  *host.LocalListener
-	sockSrv *pipeline.SocketServer
-	budget  uint64
-	speed   float64
-	self    string
+	sockLn    *host.LocalListener
+	sockSrv   *pipeline.SocketServer
+	localHost string // socketHostID, with a socket
+	budget    uint64
+	speed     float64
+	self      string
 
 	pubMu sync.Mutex // publish's turn
 
@@ -234,8 +235,8 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 		if ln, err := h.ListenLocal(); err != nil {
 			log.Warn("stages on this machine will reach this node over TCP", zap.Error(err))
 		} else {
-			m.sockLn = ln
-			m.meta.LocalHost, m.meta.LocalSocket = socketHostID(), ln.Path()
+			m.sockLn, m.localHost = ln, socketHostID()
+			m.meta.LocalHost, m.meta.LocalSocket = m.localHost, ln.Path()
 		}
 	}
 	ml, err := membership.New(membership.Config{
@@ -325,7 +326,7 @@ func (m *mesh) dial(ctx context.Context, to string) (grpc.ClientConnInterface, e
 func (m *mesh) localSocketOf(peer string) string {
 	for _, mem := range m.ml.Members() {
 		md := mem.Meta
-		if md.PeerID == peer && md.LocalHost == m.meta.LocalHost && md.LocalSocket != "" {
+		if md.PeerID == peer && md.LocalHost == m.localHost && md.LocalSocket != "" {
 			return md.LocalSocket
 		}
 	}
