@@ -233,6 +233,10 @@ func startMesh(ctx context.Context, cfg Config, log *zap.Logger) (*mesh, error) 
 	m.meta.Pins = cfg.pins()
 	if cfg.LocalHops != ggufstage.Off {
 		if ln, err := h.ListenLocal(); err != nil {
+			if cfg.LocalHops == ggufstage.On {
+				h.Close()
+				return nil, fmt.Errorf("--local-hops on: %w", err)
+			}
 			log.Warn("stages on this machine will reach this node over TCP", zap.Error(err))
 		} else {
 			m.sockLn, m.localHost = ln, socketHostID()

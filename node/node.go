@@ -84,8 +84,9 @@ type Config struct {
 	BusyPoll time.Duration
 	// LocalHops: stages of nodes on this machine (and network namespace)
 	// reach each other over a Unix socket instead of TCP (host.ListenLocal,
-	// pipeline.OverSockets). Auto and On: where the OS has Unix sockets;
-	// Off: always TCP.
+	// pipeline.OverSockets). Auto: where the node can listen on one (a
+	// warning says why not); On: the node fails to start without one; Off:
+	// always TCP.
 	LocalHops ggufstage.Switch
 
 	// Ready, if set, is called with the HTTP address once the node serves.
