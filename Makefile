@@ -52,6 +52,7 @@ FUZZ = GO='$(GO)' FUZZTIME=$(FUZZTIME) .ci/fuzz
 fuzz:
 	$(FUZZ) FuzzRead ./ggufstage/gguf/ -tags '$(TAGS)'
 	$(FUZZ) FuzzDecodeFrame ./node/wire/
+	$(FUZZ) FuzzSocketStream ./node/pipeline/
 	$(FUZZ) FuzzRender ./node/text/
 	$(FUZZ) FuzzStream ./node/text/
 	$(FUZZ) FuzzRequest ./node/openai/

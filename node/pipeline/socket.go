@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -64,16 +65,22 @@ func readSocketMsg(r *bufio.Reader, buf *[]byte, limit int) (byte, []byte, error
 	if uint64(n) > uint64(limit) {
 		return hdr[0], nil, fmt.Errorf("%w: %d bytes, at most %d", errSocketTooLarge, n, limit)
 	}
-	if cap(*buf) < int(n) {
-		*buf = make([]byte, n)
-	}
-	b := (*buf)[:n]
-	if _, err := io.ReadFull(r, b); err != nil {
-		if errors.Is(err, io.EOF) {
-			err = io.ErrUnexpectedEOF
+	// The buffer grows as the body arrives, by at most what has come so
+	// far: a length that lies costs the liar what it sent, not the limit.
+	b := (*buf)[:0]
+	for len(b) < int(n) {
+		chunk := min(int(n)-len(b), max(len(b), socketReadBuffer))
+		b = slices.Grow(b, chunk)
+		if _, err := io.ReadFull(r, b[len(b):len(b)+chunk]); err != nil {
+			if errors.Is(err, io.EOF) {
+				err = io.ErrUnexpectedEOF
+			}
+			*buf = b
+			return 0, nil, err
 		}
-		return 0, nil, err
+		b = b[:len(b)+chunk]
 	}
+	*buf = b
 	return hdr[0], b, nil
 }
 

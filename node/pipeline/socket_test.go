@@ -1,6 +1,8 @@
 package pipeline
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -16,6 +18,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
 )
@@ -338,4 +341,134 @@ func TestSocketServerStop(t *testing.T) {
 	if _, err := net.Dial("unix", path); err == nil {
 		t.Fatal("the socket still accepts after Stop")
 	}
+}
+
+// TestReadSocketMsg: whole messages come back; a body cut short is an
+// error; a length that lies costs memory for what was sent, not for what
+// it claims.
+func TestReadSocketMsg(t *testing.T) {
+	tests := []struct {
+		name    string
+		claim   uint32 // the header's length
+		send    int    // body bytes that follow
+		limit   int
+		wantErr error
+		maxCap  int // the buffer's capacity afterwards, at most
+	}{
+		{name: "empty", claim: 0, send: 0, limit: 1 << 20, maxCap: 0},
+		{name: "16 KiB", claim: 16 << 10, send: 16 << 10, limit: 1 << 20, maxCap: 64 << 10},
+		{name: "3 MiB", claim: 3 << 20, send: 3 << 20, limit: 8 << 20, maxCap: 6 << 20},
+		{name: "over the limit", claim: 2 << 20, send: 0, limit: 1 << 20, wantErr: errSocketTooLarge, maxCap: 0},
+		{name: "a lying length", claim: 200 << 20, send: 100, limit: 256 << 20, wantErr: io.ErrUnexpectedEOF, maxCap: 1 << 20},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			msg := []byte{socketFrame, 0, 0, 0, 0}
+			binary.LittleEndian.PutUint32(msg[1:], tt.claim)
+			body := make([]byte, tt.send)
+			for i := range body {
+				body[i] = byte(i)
+			}
+			var buf []byte
+			kind, got, err := readSocketMsg(bufio.NewReader(bytes.NewReader(append(msg, body...))), &buf, tt.limit)
+			if !errors.Is(err, tt.wantErr) {
+				t.Fatalf("error %v, want %v", err, tt.wantErr)
+			}
+			if err == nil && (kind != socketFrame || !bytes.Equal(got, body)) {
+				t.Fatalf("kind %d, %d bytes back of %d", kind, len(got), len(body))
+			}
+			if cap(buf) > tt.maxCap {
+				t.Fatalf("the buffer grew to %d bytes", cap(buf))
+			}
+		})
+	}
+}
+
+// FuzzSocketStream: whatever a peer writes to a socket server, the server
+// answers only with well-formed messages (frames, then at most one end,
+// last), ends the stream, and goes on serving; nothing panics.
+func FuzzSocketStream(f *testing.F) {
+	open := rawMessage(socketOpen, []byte(meshnodev1.StageService_Forward_FullMethodName))
+	frame, err := proto.Marshal(tokensFrame(3, 4))
+	if err != nil {
+		f.Fatal(err)
+	}
+	huge := []byte{socketFrame, 0xff, 0xff, 0xff, 0x0f}
+	for _, seed := range [][]byte{
+		append(append(append([]byte{}, open...), rawMessage(socketFrame, frame)...), rawMessage(socketCloseSend, nil)...),
+		open,
+		append(append([]byte{}, open...), rawMessage(socketFrame, []byte{0xff, 0xff})...),
+		append(append([]byte{}, open...), huge...),
+		rawMessage(socketOpen, []byte("/nope")),
+		[]byte("GET / HTTP/1.1\r\n\r\n"),
+	} {
+		f.Add(seed)
+	}
+	echo := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
+		for {
+			f, err := s.Recv()
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			if err := s.Send(f); err != nil {
+				return err
+			}
+		}
+	}}
+	dir, err := os.MkdirTemp("", "mn")
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(func() { os.RemoveAll(dir) })
+	path := filepath.Join(dir, "s.sock")
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		f.Fatal(err)
+	}
+	srv := NewSocketServer(echo, SocketServerConfig{MaxRecvBytes: 1 << 20})
+	go srv.Serve(ln)
+	f.Cleanup(srv.Stop)
+
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			t.Fatalf("the server stopped accepting: %v", err)
+		}
+		defer c.Close()
+		if _, err := c.Write(data); err != nil {
+			return // the server closed early: fine
+		}
+		c.(*net.UnixConn).CloseWrite()
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		r := bufio.NewReader(c)
+		var buf []byte
+		ended := false
+		for {
+			kind, body, err := readSocketMsg(r, &buf, 2<<20)
+			if errors.Is(err, io.EOF) {
+				return
+			}
+			if err != nil {
+				t.Fatalf("reading the server's reply: %v", err)
+			}
+			switch {
+			case ended:
+				t.Fatalf("message of kind %d after the end", kind)
+			case kind == socketEnd:
+				if len(body) < 4 {
+					t.Fatalf("end of %d bytes", len(body))
+				}
+				ended = true
+			case kind == socketFrame:
+				if err := proto.Unmarshal(body, new(meshnodev1.Frame)); err != nil {
+					t.Fatalf("the server sent a bad frame: %v", err)
+				}
+			default:
+				t.Fatalf("the server sent a message of kind %d", kind)
+			}
+		}
+	})
 }
