@@ -97,7 +97,9 @@ func (m *mesh) status() Status {
 		}
 		path = append(path, m.self)
 		for i := 0; i+1 < len(path); i++ {
-			st.Hops = append(st.Hops, m.hop(path[i], path[i+1], statsOf(path[i])))
+			h := m.hop(path[i], path[i+1], statsOf(path[i]))
+			h.Via = hopVia(byID[path[i]].Meta, byID[path[i+1]].Meta, path[i] == path[i+1])
+			st.Hops = append(st.Hops, h)
 		}
 	}
 
@@ -188,6 +190,20 @@ func (m *mesh) hop(from, to string, fromStats *admin.NodeStats) admin.Hop {
 		}
 	}
 	return h
+}
+
+// hopVia is how streams from one node to another travel, as both announce
+// themselves: within a node, over the next node's local socket when the
+// two share a machine's kernel, network namespace and user (mesh.dial),
+// else over libp2p.
+func hopVia(from, to membership.Meta, same bool) string {
+	switch {
+	case same:
+		return admin.ViaNode
+	case from.LocalHost != "" && from.LocalHost == to.LocalHost && to.LocalSocket != "":
+		return admin.ViaLocal
+	}
+	return admin.ViaLibp2p
 }
 
 func nodeFromMeta(md membership.Meta) admin.Node {

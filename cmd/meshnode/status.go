@@ -383,7 +383,11 @@ func renderStatus(w io.Writer, url string, st *admin.Status, color bool) {
 		case i == len(st.Hops)-1:
 			name = "back " + name
 		}
-		hops = append(hops, name+" "+ms(h.RTTMs))
+		name += " " + ms(h.RTTMs)
+		if h.Via == admin.ViaLocal {
+			name += " (local socket)"
+		}
+		hops = append(hops, name)
 	}
 	if len(hops) > 0 {
 		fmt.Fprintf(w, "  hops      %s\n", strings.Join(hops, " · "))
@@ -440,6 +444,9 @@ func renderStatus(w io.Writer, url string, st *admin.Status, color bool) {
 		hop := "–"
 		if h, ok := next[n.PeerID]; ok && n.State != admin.StateDead && n.State != admin.StateLeft {
 			hop = fmt.Sprintf("→%s %s", label(h.To), ms(h.RTTMs))
+			if h.Via == admin.ViaLocal {
+				hop += " local"
+			}
 		}
 		addr := "–"
 		if len(n.Addrs) > 0 {

@@ -306,7 +306,7 @@ func TestStatusMesh(t *testing.T) {
 	}
 	t.Logf("meshnode status:\n%s", out)
 	chain := fmt.Sprintf("…%s [0,2) → …%s [2,4) → …%s [4,5)", admin.ShortID(pa), admin.ShortID(pb), admin.ShortID(pc))
-	for _, want := range []string{"serving", "stories260K", chain, "3 nodes (3 ready)", "hops", "NEXT HOP"} {
+	for _, want := range []string{"serving", "stories260K", chain, "3 nodes (3 ready)", "hops", "NEXT HOP", "(local socket)"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("the table lacks %q", want)
 		}
@@ -395,6 +395,17 @@ func checkServing(t *testing.T, st admin.Status, pins ...string) {
 		for i := 1; i < 3; i++ {
 			if st.Hops[i].From != st.Plan[i-1].Node || st.Hops[i].To != st.Plan[i].Node {
 				t.Errorf("hop %d: %s→%s", i, st.Hops[i].From, st.Hops[i].To)
+			}
+		}
+		// Nodes of one machine: every hop between two of them over a
+		// local socket, the one into the node's own stage in memory.
+		for i, h := range st.Hops {
+			want := admin.ViaLocal
+			if h.From == h.To {
+				want = admin.ViaNode
+			}
+			if h.Via != want {
+				t.Errorf("hop %d (%s→%s) via %q, want %q", i, admin.ShortID(h.From), admin.ShortID(h.To), h.Via, want)
 			}
 		}
 	}

@@ -41,9 +41,9 @@
 //	  ],
 //	  "lanes": 2,
 //	  "hops": [
-//	    {"from": "…x7Yz2a", "to": "…x7Yz2a", "rtt_ms": 0, "bytes": null},
-//	    {"from": "…x7Yz2a", "to": "…k3Pq9b", "rtt_ms": 0.21, "bytes": 1048576},
-//	    {"from": "…k3Pq9b", "to": "…x7Yz2a", "rtt_ms": 0.23, "bytes": 20480}
+//	    {"from": "…x7Yz2a", "to": "…x7Yz2a", "rtt_ms": 0, "bytes": null, "via": "node"},
+//	    {"from": "…x7Yz2a", "to": "…k3Pq9b", "rtt_ms": 0.21, "bytes": 1048576, "via": "libp2p"},
+//	    {"from": "…k3Pq9b", "to": "…x7Yz2a", "rtt_ms": 0.23, "bytes": 20480, "via": "libp2p"}
 //	  ],
 //	  "nodes": [{"peer_id": "…", "short_id": "x7Yz2a", "name": "mac-1", "self": true,
 //	             "state": "ready", "addrs": ["/ip4/192.168.1.5/tcp/4001/p2p/…"],

@@ -93,9 +93,18 @@ type Hop struct {
 	// as From measures it; null when unknown, 0 within one node.
 	RTTMs *float64 `json:"rtt_ms"`
 	// Bytes is the stage traffic From has sent To since From started
-	// (gRPC wire bytes); null when unknown.
+	// (gRPC wire bytes, or local sockets' frames); null when unknown.
 	Bytes *uint64 `json:"bytes"`
+	// Via is how the hop's streams travel: ViaNode, ViaLocal or ViaLibp2p.
+	Via string `json:"via"`
 }
+
+// How a hop's streams travel (Hop.Via).
+const (
+	ViaNode   = "node"   // within one node, in memory
+	ViaLocal  = "local"  // between nodes of one machine, over a Unix socket (serve --local-hops)
+	ViaLibp2p = "libp2p" // gRPC over libp2p
+)
 
 // Serve is a layer range a node serves.
 type Serve struct {
