@@ -151,7 +151,6 @@ type Pipeline struct {
 	wg     sync.WaitGroup
 	retEnd chan struct{} // closed when the return reader is done
 	slots  chan struct{} // in-flight batches
-	kick   chan struct{} // wakes the watchdog when the oldest call changes
 
 	// sendMu orders steps on the wire as they are numbered.
 	sendMu sync.Mutex
@@ -206,7 +205,6 @@ func New(ctx context.Context, cfg Config) (*Pipeline, error) {
 		cfg: cfg, id: hex.EncodeToString(idb[:]),
 		retEnd: make(chan struct{}),
 		slots:  make(chan struct{}, cfg.MaxInFlight),
-		kick:   make(chan struct{}, 1),
 		open:   map[stage.SeqID]openSeq{},
 		done:   make(chan struct{}),
 	}
@@ -545,9 +543,6 @@ func (p *Pipeline) send(c *Call, f *meshnodev1.Frame) error {
 	f.Step = c.step
 	c.since = time.Now()
 	p.pending = append(p.pending, c)
-	if len(p.pending) == 1 {
-		p.wake()
-	}
 	p.mu.Unlock()
 	if err := p.fwd.Send(f); err != nil && !errors.Is(err, io.EOF) {
 		// io.EOF says the stream is gone; watchForward reports why.
@@ -574,14 +569,6 @@ func (p *Pipeline) freeSlot(c *Call) {
 	}
 }
 
-// wake tells the watchdog that the oldest call changed; p.mu is held.
-func (p *Pipeline) wake() {
-	select {
-	case p.kick <- struct{}{}:
-	default:
-	}
-}
-
 // head returns the oldest call in flight, or nil.
 func (p *Pipeline) head() *Call {
 	p.mu.Lock()
@@ -602,7 +589,6 @@ func (p *Pipeline) complete(c *Call, res *Result, err error) {
 	p.pending = p.pending[1:]
 	if len(p.pending) > 0 {
 		p.pending[0].since = time.Now()
-		p.wake()
 	}
 	p.mu.Unlock()
 	p.finishCall(c, res, err)
@@ -851,7 +837,11 @@ func (p *Pipeline) watchForward() {
 
 // watchdog breaks the pipeline when the oldest call goes without a reply
 // for the step timeout. Before it gives up it asks every hop for its Info,
-// to name one that does not answer.
+// to name one that does not answer. Nobody wakes it when the oldest call
+// changes (that cost each decode step a goroutine's wake-up): a call's
+// deadline is never earlier than the timer's, since a call becomes the
+// oldest no earlier than the one before it, so the timer fires first and
+// is set again for the oldest call then.
 func (p *Pipeline) watchdog() {
 	defer p.wg.Done()
 	timeout := p.cfg.StepTimeout
@@ -861,7 +851,6 @@ func (p *Pipeline) watchdog() {
 		select {
 		case <-p.done:
 			return
-		case <-p.kick:
 		case <-timer.C:
 		}
 		p.mu.Lock()
