@@ -9,6 +9,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
 
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
 )
@@ -113,4 +115,35 @@ func TestInProcessStream(t *testing.T) {
 			t.Fatalf("Info: %v, %v", info, err)
 		}
 	})
+}
+
+// TestCopyFrame: a frame received in process equals the one sent, body
+// and unknown fields too, replaces what the receiving message held, and
+// shares the sender's payload rather than copying it.
+func TestCopyFrame(t *testing.T) {
+	payload := []byte{1, 2, 3, 4}
+	tests := []struct {
+		name string
+		f    *meshnodev1.Frame
+	}{
+		{"activations", &meshnodev1.Frame{Version: 1, Step: 7, Body: &meshnodev1.Frame_Activations{Activations: &meshnodev1.Activations{
+			SeqIds: []uint64{3}, Positions: []int32{9}, Rows: 1, Cols: 1, Payload: payload}}}},
+		{"tokens", &meshnodev1.Frame{Version: 1, Step: 8, Body: &meshnodev1.Frame_Tokens{Tokens: &meshnodev1.Tokens{SeqIds: []uint64{1}, TokenIds: []int32{5}}}}},
+		{"empty", &meshnodev1.Frame{}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.f.ProtoReflect().SetUnknown(protowire.AppendVarint(protowire.AppendTag(nil, 99, protowire.VarintType), 42))
+			got := &meshnodev1.Frame{Version: 5, Step: 99, Body: &meshnodev1.Frame_Control{Control: &meshnodev1.SeqControl{}}}
+			if err := copyFrame(got, tc.f); err != nil {
+				t.Fatal(err)
+			}
+			if !proto.Equal(got, tc.f) {
+				t.Fatalf("received %v, sent %v", got, tc.f)
+			}
+			if a := got.GetActivations(); a != nil && &a.Payload[0] != &payload[0] {
+				t.Error("the payload was copied")
+			}
+		})
+	}
 }

@@ -75,8 +75,8 @@ type link struct {
 	st     wire.Setup
 	from   string // the upstream peer, as the transport names it
 	up     meshnodev1.StageService_ForwardServer
-	upMu   sync.Mutex // the handler and the downstream watcher both send up
-	in     <-chan recvd
+	upMu   sync.Mutex   // the handler and the downstream watcher both send up
+	in     <-chan recvd // nil: the handler reads up itself (recvCanceler)
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 	log    *zap.Logger
@@ -89,14 +89,16 @@ type link struct {
 	// closing says no more. closing marks a graceful end, so that the
 	// watcher takes the next hop's end of stream for what it is.
 	down       meshnodev1.StageService_ForwardClient
-	downCancel context.CancelFunc // ends down; drain calls it last
-	out        chan *meshnodev1.Frame
-	sent       chan struct{} // closed when the sender is done
-	watched    chan struct{} // closed when the watcher is done
+	downCancel context.CancelFunc     // ends down; drain calls it last
+	out        chan *meshnodev1.Frame // nil: the handler sends itself (direct)
+	direct     bool                   // the next hop is over a socket stream: no sender goroutine
+	sent       chan struct{}          // closed when the sender is done
+	watched    chan struct{}          // closed when the watcher is done
 	closing    chan struct{}
 	closeOnce  sync.Once
 	nextPeer   string
 	frameLimit int
+	wireDType  stage.DType // the activations' dtype to the next hop
 
 	// Last: where replies go.
 	key pipeKey
@@ -125,7 +127,7 @@ func (s *Server) serveForward(ctx context.Context, cancel context.CancelCauseFun
 func (l *link) start() error {
 	if l.last {
 		l.key = pipeKey{l.st.Origin, l.st.PipelineID}
-		rv, err := l.s.attach(l.key, wire.RoleForward)
+		rv, err := l.s.attach(l.key, wire.RoleForward, nil)
 		if err != nil {
 			return &failure{hop: l.st.Hop - 1, from: fromUp, bad: true, err: err}
 		}
@@ -177,14 +179,63 @@ func (l *link) start() error {
 		return unreachable(err)
 	}
 	l.down = down
-	l.out = make(chan *meshnodev1.Frame, 4)
-	l.sent = make(chan struct{})
+	l.wireDType = l.st.WireDType
 	l.watched = make(chan struct{})
 	l.closing = make(chan struct{})
+	l.sent = make(chan struct{})
+	if sock := socketOf(down); sock != nil {
+		// Between stages of one machine, f32: the bytes cost a local
+		// socket next to nothing, and f16 would cost a conversion each
+		// way (32K floats a hop at eight rows of an 8B model) and the
+		// split its exactness. And the handler writes its frames
+		// itself: a socket write is a copy into the kernel's buffer,
+		// and handing each frame to a sender goroutine cost a decode
+		// step its wake-up (10 µs a token on an H200 host, run 208's
+		// trace).
+		l.wireDType = stage.F32
+		l.direct = true
+		// A write blocked on a next hop that stopped reading must not
+		// keep the handler from ending; the stream lives on the
+		// server's context (see above), so the link's end bounds it.
+		sock.sendsEndWith(l.ctx, directSendGrace)
+		close(l.sent)
+		l.s.wg.Add(1)
+		go l.watch()
+		return nil
+	}
+	l.out = make(chan *meshnodev1.Frame, 4)
 	l.s.wg.Add(2)
 	go l.send()
 	go l.watch()
 	return nil
+}
+
+// directSendGrace is how long a direct send may still take once the link
+// has ended: long enough for its last frame to a live next hop.
+const directSendGrace = time.Second
+
+// sendDown sends f to the next hop on the handler's goroutine.
+func (l *link) sendDown(f *meshnodev1.Frame) error {
+	err := l.down.Send(f)
+	if err == nil {
+		return nil
+	}
+	if l.ctx.Err() != nil {
+		return context.Cause(l.ctx)
+	}
+	if errors.Is(err, io.EOF) {
+		// The stream is already gone; the watcher says why.
+		wait := time.NewTimer(l.s.cfg.SetupTimeout)
+		defer wait.Stop()
+		select {
+		case <-l.watched:
+		case <-wait.C:
+		}
+		if l.ctx.Err() != nil {
+			return context.Cause(l.ctx)
+		}
+	}
+	return &failure{hop: l.st.Hop + 1, from: fromDown, err: fmt.Errorf("%w: sending to hop %d (%s): %w", wire.ErrUnavailable, l.st.Hop+1, l.nextPeer, err)}
 }
 
 // send passes queued frames to the next hop. Sending apart from compute
@@ -239,30 +290,48 @@ func (l *link) watch() {
 	l.cancel(&failure{step: re.Step, hop: re.Hop, from: fromDown, err: re})
 }
 
+// next waits for the next frame from upstream, or its end; false once
+// the link's context has ended.
+func (l *link) next() (recvd, bool) {
+	if l.in == nil {
+		f, err := l.up.Recv()
+		if err != nil && l.ctx.Err() != nil {
+			return recvd{}, false
+		}
+		if status.Code(err) == codes.ResourceExhausted {
+			l.s.badPeer(l.from, err)
+		}
+		return recvd{f, err}, true
+	}
+	select {
+	case r := <-l.in:
+		return r, true
+	case <-l.ctx.Done():
+		return recvd{}, false
+	}
+}
+
 // loop runs the pipeline's frames in order until the upstream side ends.
 func (l *link) loop() error {
 	for {
-		select {
-		case r := <-l.in:
-			if r.err != nil {
-				if errors.Is(r.err, io.EOF) {
-					return nil
-				}
-				if status.Code(r.err) == codes.ResourceExhausted {
-					// Reported by the receiving goroutine already.
-					return &failure{hop: l.st.Hop - 1, from: fromUp, code: codes.ResourceExhausted,
-						err: fmt.Errorf("%w: %w", wire.ErrBadFrame, r.err)}
-				}
-				if l.ctx.Err() != nil {
-					return context.Cause(l.ctx)
-				}
-				return &failure{hop: l.st.Hop - 1, from: fromUp, err: fmt.Errorf("%w: stream from hop %d ended: %w", wire.ErrUnavailable, l.st.Hop-1, r.err)}
-			}
+		r, ok := l.next()
+		switch {
+		case !ok:
+			return context.Cause(l.ctx)
+		case r.err == nil:
 			if err := l.handle(r.f); err != nil {
 				return err
 			}
-		case <-l.ctx.Done():
+		case errors.Is(r.err, io.EOF):
+			return nil
+		case status.Code(r.err) == codes.ResourceExhausted:
+			// Reported by whoever received it already.
+			return &failure{hop: l.st.Hop - 1, from: fromUp, code: codes.ResourceExhausted,
+				err: fmt.Errorf("%w: %w", wire.ErrBadFrame, r.err)}
+		case l.ctx.Err() != nil:
 			return context.Cause(l.ctx)
+		default:
+			return &failure{hop: l.st.Hop - 1, from: fromUp, err: fmt.Errorf("%w: stream from hop %d ended: %w", wire.ErrUnavailable, l.st.Hop-1, r.err)}
 		}
 	}
 }
@@ -459,7 +528,7 @@ func (l *link) run(step uint64, b *stage.Batch) error {
 	}
 	if !l.last {
 		next := &stage.Batch{Seqs: b.Seqs, Pos: b.Pos, Tokens: b.Tokens, Hidden: out.Hidden, Outputs: b.Outputs}
-		frames, err := splitFrames(step, next, l.st.WireDType, l.frameLimit)
+		frames, err := splitFrames(step, next, l.wireDType, l.frameLimit)
 		if err != nil {
 			return l.stepFailed(step, err)
 		}
@@ -567,14 +636,16 @@ func (l *link) picked(step uint64, b *stage.Batch, picks []int32) error {
 // emit sends a frame on its way: to the next hop, or to the origin.
 func (l *link) emit(f *meshnodev1.Frame) error {
 	if l.last {
-		select {
-		case l.rv.replies <- f:
-			return nil
-		case <-l.rv.retGone:
-			return &failure{hop: -1, from: fromHere, err: fmt.Errorf("%w: the origin's return stream closed", wire.ErrUnavailable)}
-		case <-l.ctx.Done():
-			return context.Cause(l.ctx)
+		if err := l.rv.send(f); err != nil {
+			if l.ctx.Err() != nil {
+				return context.Cause(l.ctx)
+			}
+			return &failure{hop: -1, from: fromHere, err: fmt.Errorf("%w: %w", wire.ErrUnavailable, err)}
 		}
+		return nil
+	}
+	if l.direct {
+		return l.sendDown(f)
 	}
 	select {
 	case l.out <- f:
@@ -658,27 +729,30 @@ func (l *link) drain(final *meshnodev1.Frame) {
 			return
 		}
 		if final != nil {
-			select {
-			case l.rv.replies <- final:
-			case <-l.rv.retGone:
-			case <-wait.C:
-			}
+			_ = l.rv.send(final) // a return stream already gone has nobody to tell
 		}
-		close(l.rv.replies)
+		close(l.rv.fwdDone)
 		l.s.detach(l.key, l.rv)
 		return
 	}
 	if l.down == nil {
 		return
 	}
-	if final != nil {
+	switch {
+	case l.direct:
+		if final != nil {
+			_ = l.down.Send(final) // a stream already gone has nobody to tell
+		}
+	case final != nil:
 		select {
 		case l.out <- final:
 		case <-l.sent:
 		case <-wait.C:
 		}
 	}
-	close(l.out)
+	if l.out != nil {
+		close(l.out)
+	}
 	select {
 	case <-l.sent:
 	case <-wait.C:

@@ -35,14 +35,21 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 		{name: "sockets f16 split", dtype: stage.F16, socket: true, so: []stageOpts{{}, {maxFrame: 1 << 10}, {maxFrame: 1 << 10}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			so := make([]stageOpts, len(threeStages)-1)
+			copy(so, tc.so)
+			seen := make([]*dtypesSeen, len(so))
+			for i := range so {
+				seen[i] = &dtypesSeen{}
+				so[i].wrap = seen[i].wrap
+			}
 			var m *mesh
 			cfg := Config{WireDType: tc.dtype, ReturnLogits: tc.logits}
 			switch {
 			case tc.socket:
-				m = newSocketMesh(t, threeStages, engineOpts, tc.so...)
+				m = newSocketMesh(t, threeStages, engineOpts, so...)
 				cfg.Dial = m.dialSockets()
 			default:
-				m = newMesh(t, threeStages, engineOpts, tc.so...)
+				m = newMesh(t, threeStages, engineOpts, so...)
 			}
 			if tc.inproc {
 				cfg.Dial = m.dialHop0InProcess()
@@ -82,6 +89,17 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 				}
 				if n := s.sockBytes.Load(); (n > 0) != tc.socket {
 					t.Errorf("stage %d: %d bytes through its socket streams", i, n)
+				}
+			}
+			// Hops over socket streams carry f32 whatever the
+			// pipeline's wire dtype: exact, and no conversions.
+			want := tc.dtype
+			if tc.socket {
+				want = stage.F32
+			}
+			for i, d := range seen[1:] {
+				if got := d.all(); len(got) != 1 || got[0] != want {
+					t.Errorf("stage %d received activations as %v, want only %s", i+1, got, want)
 				}
 			}
 		})
@@ -351,4 +369,34 @@ func TestRouteChecks(t *testing.T) {
 			t.Errorf("%s: route accepted", tc.name)
 		}
 	}
+}
+
+// dtypesSeen records the dtypes of the activations an engine is given.
+type dtypesSeen struct {
+	mu     sync.Mutex
+	dtypes []stage.DType
+}
+
+func (d *dtypesSeen) wrap(e stage.Engine) stage.Engine { return dtypeEngine{e, d} }
+
+func (d *dtypesSeen) all() []stage.DType {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.dtypes)
+}
+
+type dtypeEngine struct {
+	stage.Engine
+	seen *dtypesSeen
+}
+
+func (e dtypeEngine) Forward(ctx context.Context, b *stage.Batch) (*stage.Output, error) {
+	if b.Hidden != nil {
+		e.seen.mu.Lock()
+		if !slices.Contains(e.seen.dtypes, b.Hidden.DType) {
+			e.seen.dtypes = append(e.seen.dtypes, b.Hidden.DType)
+		}
+		e.seen.mu.Unlock()
+	}
+	return e.Engine.Forward(ctx, b)
 }

@@ -219,16 +219,25 @@ func (s *Server) Forward(stream meshnodev1.StageService_ForwardServer) error {
 	defer stop()
 
 	from := s.cfg.PeerOf(stream.Context())
-	in := s.receive(ctx, stream, from)
-	timer := time.NewTimer(s.cfg.SetupTimeout)
-	defer timer.Stop()
+	direct, _ := stream.(recvCanceler)
+	var in <-chan recvd
 	var first recvd
-	select {
-	case first = <-in:
-	case <-timer.C:
-		return status.Errorf(codes.DeadlineExceeded, "no setup frame within %s", s.cfg.SetupTimeout)
-	case <-ctx.Done():
-		return status.FromContextError(context.Cause(ctx)).Err()
+	if direct != nil {
+		var err error
+		if first, err = s.recvSetup(ctx, stream, direct); err != nil {
+			return err
+		}
+	} else {
+		in = s.receive(ctx, stream, from)
+		timer := time.NewTimer(s.cfg.SetupTimeout)
+		defer timer.Stop()
+		select {
+		case first = <-in:
+		case <-timer.C:
+			return status.Errorf(codes.DeadlineExceeded, "no setup frame within %s", s.cfg.SetupTimeout)
+		case <-ctx.Done():
+			return status.FromContextError(context.Cause(ctx)).Err()
+		}
 	}
 	if first.err != nil {
 		return first.err
@@ -244,9 +253,53 @@ func (s *Server) Forward(stream meshnodev1.StageService_ForwardServer) error {
 		return status.Error(statusCode(err), err.Error())
 	}
 	if setup.Role == wire.RoleReturn {
+		if in == nil {
+			// Nothing but its end is expected on a return stream: a
+			// goroutine may watch for it.
+			in = s.receive(ctx, stream, from)
+		}
 		return s.serveReturn(ctx, stream, from, setup, in)
 	}
+	if direct != nil {
+		stop := direct.cancelRecv(ctx)
+		defer stop()
+	}
 	return s.serveForward(ctx, cancel, stream, from, setup, in)
+}
+
+// A recvCanceler is a server stream whose Recv its handler may call
+// itself, with no goroutine between them (Server.receive): after
+// cancelRecv(ctx), a Recv fails once ctx ends, without breaking the
+// stream's sending side. The socket and in-process streams are; gRPC's
+// end a Recv only with the call. On a decode step's critical path the
+// goroutine hand-off costs a thread's wake-up on a node that idled while
+// the stages before it computed.
+type recvCanceler interface {
+	// cancelRecv returns a stop function that, like context.AfterFunc's,
+	// says whether it stopped the cancellation before it began; after a
+	// false, the stream receives nothing more.
+	cancelRecv(ctx context.Context) (stop func() bool)
+}
+
+// recvSetup reads a stream's first frame on the handler's goroutine,
+// within the setup timeout.
+func (s *Server) recvSetup(ctx context.Context, stream meshnodev1.StageService_ForwardServer, direct recvCanceler) (recvd, error) {
+	sctx, scancel := context.WithTimeout(ctx, s.cfg.SetupTimeout)
+	defer scancel()
+	stop := direct.cancelRecv(sctx)
+	f, err := stream.Recv()
+	if !stop() {
+		// The stream's reads were stopped, whether or not this one
+		// returned a frame first.
+		if ctx.Err() != nil {
+			return recvd{}, status.FromContextError(context.Cause(ctx)).Err()
+		}
+		return recvd{}, status.Errorf(codes.DeadlineExceeded, "no setup frame within %s", s.cfg.SetupTimeout)
+	}
+	if status.Code(err) == codes.ResourceExhausted {
+		s.badPeer(s.cfg.PeerOf(stream.Context()), err)
+	}
+	return recvd{f, err}, nil
 }
 
 // checkSetup checks that the Setup names this stage.
@@ -285,21 +338,53 @@ type pipeKey struct{ origin, id string }
 // rendezvous joins a pipeline's two streams on its last stage: the
 // forward stream that brings work and the return stream that takes the
 // replies to the origin. Either may arrive first.
+//
+// The forward side sends its replies on the return stream itself (send),
+// rather than through the return handler's goroutine: on a decode step's
+// critical path, a goroutine hand-off on a node that idled while the other
+// stages computed costs a thread's wake-up.
 type rendezvous struct {
 	fwd, ret bool // attached; guarded by Server.mu
 	refs     int  // attached sides not yet gone; guarded by Server.mu
 
 	retReady chan struct{} // closed when the return stream attaches
 	fwdReady chan struct{} // closed when the forward stream attaches
-	// replies go from the forward side to the return side, which sends
-	// them in order. The forward side closes it when it ends.
-	replies chan *meshnodev1.Frame
-	retGone chan struct{} // closed when the return side ends
+	fwdDone  chan struct{} // closed when the forward side has sent its last reply
+
+	// sendMu orders every send on the return stream, the forward side's
+	// and the return handler's own, and keeps them from outliving it.
+	sendMu sync.Mutex
+	out    meshnodev1.StageService_ForwardServer // the return stream; set under Server.mu and sendMu
+	gone   bool                                  // the return handler has returned
+}
+
+var errReturnGone = errors.New("the origin's return stream closed")
+
+// send sends f to the origin on the return stream.
+func (rv *rendezvous) send(f *meshnodev1.Frame) error {
+	rv.sendMu.Lock()
+	defer rv.sendMu.Unlock()
+	if rv.gone || rv.out == nil {
+		return errReturnGone
+	}
+	if err := rv.out.Send(f); err != nil {
+		return fmt.Errorf("%w: %w", errReturnGone, err)
+	}
+	return nil
+}
+
+// retire marks the return handler gone: sends after it fail, and one in
+// flight is waited for.
+func (rv *rendezvous) retire() {
+	rv.sendMu.Lock()
+	rv.gone = true
+	rv.sendMu.Unlock()
 }
 
 // attach joins a side to the pipeline's rendezvous, creating it if it is
 // the first. A second stream of the same role is refused.
-func (s *Server) attach(key pipeKey, role wire.Role) (*rendezvous, error) {
+// ret is the return stream, when role is wire.RoleReturn.
+func (s *Server) attach(key pipeKey, role wire.Role, ret meshnodev1.StageService_ForwardServer) (*rendezvous, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	rv := s.pipes[key]
@@ -307,8 +392,7 @@ func (s *Server) attach(key pipeKey, role wire.Role) (*rendezvous, error) {
 		rv = &rendezvous{
 			retReady: make(chan struct{}),
 			fwdReady: make(chan struct{}),
-			replies:  make(chan *meshnodev1.Frame, 16),
-			retGone:  make(chan struct{}),
+			fwdDone:  make(chan struct{}),
 		}
 		s.pipes[key] = rv
 	}
@@ -318,6 +402,9 @@ func (s *Server) attach(key pipeKey, role wire.Role) (*rendezvous, error) {
 		close(rv.fwdReady)
 	case role == wire.RoleReturn && !rv.ret:
 		rv.ret = true
+		rv.sendMu.Lock()
+		rv.out = ret
+		rv.sendMu.Unlock()
 		close(rv.retReady)
 	default:
 		return nil, fmt.Errorf("%w: pipeline %q of %s already has a %s stream", wire.ErrBadFrame, key.id, key.origin, role)
@@ -336,18 +423,19 @@ func (s *Server) detach(key pipeKey, rv *rendezvous) {
 	}
 }
 
-// serveReturn sends the last stage's replies for one pipeline to its
-// origin until the forward side ends.
+// serveReturn holds the return stream, on which the forward side sends
+// the last stage's replies for one pipeline to its origin, until the
+// forward side ends.
 func (s *Server) serveReturn(ctx context.Context, stream meshnodev1.StageService_ForwardServer, from string, st wire.Setup, in <-chan recvd) error {
 	key := pipeKey{st.Origin, st.PipelineID}
-	rv, err := s.attach(key, wire.RoleReturn)
+	rv, err := s.attach(key, wire.RoleReturn, stream)
 	if err != nil {
 		s.badPeer(from, err)
 		_ = stream.Send(wire.EncodeHopError(0, -1, err))
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	defer s.detach(key, rv)
-	defer close(rv.retGone)
+	defer rv.retire()
 
 	timer := time.NewTimer(s.cfg.SetupTimeout)
 	defer timer.Stop()
@@ -356,20 +444,15 @@ func (s *Server) serveReturn(ctx context.Context, stream meshnodev1.StageService
 		timer.Stop()
 	case <-timer.C:
 		err := fmt.Errorf("%w: pipeline %q: no forward stream reached the last stage within %s", wire.ErrUnavailable, st.PipelineID, s.cfg.SetupTimeout)
-		_ = stream.Send(wire.EncodeHopError(0, st.Hop-1, err))
+		_ = rv.send(wire.EncodeHopError(0, st.Hop-1, err))
 		return status.Error(codes.Unavailable, err.Error())
 	case <-ctx.Done():
 		return status.FromContextError(context.Cause(ctx)).Err()
 	}
 	for {
 		select {
-		case f, ok := <-rv.replies:
-			if !ok {
-				return nil // the forward side ended; its last word was sent
-			}
-			if err := stream.Send(f); err != nil {
-				return err
-			}
+		case <-rv.fwdDone:
+			return nil // the forward side ended; its last word was sent
 		case r := <-in:
 			if r.err != nil {
 				// The origin closed its side (or the stream broke, which
@@ -379,7 +462,7 @@ func (s *Server) serveReturn(ctx context.Context, stream meshnodev1.StageService
 			}
 			err := fmt.Errorf("%w: %s frame on a return stream", wire.ErrBadFrame, wire.BodyKind(r.f))
 			s.badPeer(from, err)
-			_ = stream.Send(wire.EncodeHopError(r.f.GetStep(), -1, err))
+			_ = rv.send(wire.EncodeHopError(r.f.GetStep(), -1, err))
 			return status.Error(codes.InvalidArgument, err.Error())
 		case <-ctx.Done():
 			return status.FromContextError(context.Cause(ctx)).Err()

@@ -196,6 +196,17 @@ func (c socketConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method
 	return s, nil
 }
 
+// socketOf is the socket stream under a Forward stream, or nil when it
+// runs over gRPC.
+func socketOf(s meshnodev1.StageService_ForwardClient) *socketClient {
+	g, ok := s.(*grpc.GenericClientStream[meshnodev1.Frame, meshnodev1.Frame])
+	if !ok {
+		return nil
+	}
+	c, _ := g.ClientStream.(*socketClient)
+	return c
+}
+
 // socketClient is the client's end of a socket stream. As with gRPC, one
 // goroutine may send while another receives.
 type socketClient struct {
@@ -230,6 +241,13 @@ func (s *socketClient) SendMsg(m any) error {
 		s.count("sent", n)
 	}
 	return nil
+}
+
+// sendsEndWith makes sends fail within grace once ctx ends, so that a
+// sender blocked on a peer that stopped reading is freed, while one that
+// is not still gets its last frames out.
+func (s *socketClient) sendsEndWith(ctx context.Context, grace time.Duration) (stop func() bool) {
+	return context.AfterFunc(ctx, func() { _ = s.conn.SetWriteDeadline(time.Now().Add(grace)) })
 }
 
 func (s *socketClient) CloseSend() error {
@@ -409,10 +427,24 @@ type socketServerStream struct {
 	peer   string
 	count  func(peer, dir string, n int)
 
-	rbuf   []byte
-	closed bool        // the client closed its side
-	rerr   error       // the read side's end, once seen
-	broken atomic.Bool // the connection cannot carry the end message
+	rbuf    []byte
+	closed  bool        // the client closed its side
+	rerr    error       // the read side's end, once seen
+	broken  atomic.Bool // the connection cannot carry the end message
+	stopped atomic.Bool // cancelRecv ended the reads; writes go on
+}
+
+// cancelRecv ends the stream's reads once ctx ends, leaving its writes
+// (the handler's last frames, socketEnd) to go on: the connection's read
+// side is shut, which also ends a busy-polling read at once.
+func (s *socketServerStream) cancelRecv(ctx context.Context) func() bool {
+	return context.AfterFunc(ctx, func() {
+		s.stopped.Store(true)
+		if cr, ok := s.conn.(interface{ CloseRead() error }); ok && cr.CloseRead() == nil {
+			return
+		}
+		_ = s.conn.SetReadDeadline(time.Unix(1, 0))
+	})
 }
 
 var _ meshnodev1.StageService_ForwardServer = (*socketServerStream)(nil)
@@ -445,6 +477,9 @@ func (s *socketServerStream) RecvMsg(m any) error {
 		_, _ = s.w.write(socketEnd, nil, endBody(s.rerr))
 		s.broken.Store(true)
 		s.cancel(s.rerr)
+		return s.rerr
+	case err != nil && s.stopped.Load():
+		s.rerr = status.Error(codes.Canceled, "stage stream: receiving stopped")
 		return s.rerr
 	case err != nil:
 		if s.ctx.Err() != nil {

@@ -11,16 +11,21 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/meshnode/meshnode/ggufstage"
+	"github.com/meshnode/meshnode/node/wire"
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
+	"github.com/meshnode/meshnode/stage"
 )
 
 // serveSockets serves srv's streams on a new Unix socket and returns its
@@ -471,4 +476,157 @@ func FuzzSocketStream(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestDirectSendStuckNextHop: a stage writes its frames to a next hop over
+// a socket stream itself (link.direct). When that hop stops reading, the
+// writes block; when the stage's upstream then goes away, its link must
+// still end, within the grace its last writes get, and free its
+// sequences' slots.
+func TestDirectSendStuckNextHop(t *testing.T) {
+	path := stuckListener(t)
+	const rows = 16 // 256 KiB of hidden state a step
+	e := openEngines(t, []int{0, 2, 5}, ggufstage.Options{Threads: 1, MaxSeqs: rows, Context: 256})[0]
+	srv, err := NewServer(ServerConfig{
+		Engine: instantEngine{Engine: e, embd: 4096}, SetupTimeout: time.Second, ModelID: "stories260K", ModelHash: "test-hash",
+		Dial: func(context.Context, string) (grpc.ClientConnInterface, error) {
+			return OverSockets(SocketConfig{Dial: dialUnix(path)}), nil
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	upCtx, upGone := context.WithCancel(t.Context())
+	up, err := meshnodev1.NewStageServiceClient(InProcess(srv)).Forward(upCtx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := wire.Setup{Role: wire.RoleForward, PipelineID: "stuck", Origin: "test", WireDType: stage.F32,
+		Route: []wire.Hop{{Peer: "self", Start: 0, End: 2}, {Peer: "stuck", Start: 2, End: 5}}}
+	send := func(f *meshnodev1.Frame, err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := up.Send(f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	send(wire.EncodeSetup(st))
+	for r := range rows {
+		send(wire.EncodeControl(uint64(r+1), wire.Control{Op: wire.OpOpen, Seq: stage.SeqID(r + 1)}))
+	}
+	for step := range 8 { // more than the socket's buffers hold
+		// A batch of its own each: in process, a frame shares its slices.
+		b := &stage.Batch{Outputs: []int{rows - 1}}
+		for r := range rows {
+			b.Seqs, b.Pos, b.Tokens = append(b.Seqs, stage.SeqID(r+1)), append(b.Pos, int32(step)), append(b.Tokens, 1)
+		}
+		send(wire.EncodeTokens(uint64(100+step), b))
+	}
+	// The stage is blocked writing with every slot of its engine taken.
+	time.Sleep(200 * time.Millisecond)
+	if err := e.Open(1000); err == nil {
+		t.Fatal("a slot is free while the stage holds every sequence")
+	}
+	upGone()
+	deadline := time.Now().Add(directSendGrace + 5*time.Second)
+	for e.Open(1000) != nil {
+		if time.Now().After(deadline) {
+			t.Fatal("the stage's link did not end: it is stuck writing to a next hop that stopped reading")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := e.Release(1000); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// stuckListener listens on a Unix socket whose connections are accepted
+// and never read, and returns its path.
+func stuckListener(t *testing.T) string {
+	path := filepath.Join(t.TempDir(), "stuck.sock")
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var held []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	return path
+}
+
+// TestCloseIdleSocketUpstream: a stage's handler reads its socket stream
+// itself (recvCanceler); closing the stage server must end a link whose
+// upstream is connected but sends nothing.
+func TestCloseIdleSocketUpstream(t *testing.T) {
+	next := stuckListener(t)
+	e := openEngines(t, []int{0, 2, 5}, engineOpts)[0]
+	srv, err := NewServer(ServerConfig{
+		Engine: e, ModelID: "stories260K", ModelHash: "test-hash",
+		Dial: func(context.Context, string) (grpc.ClientConnInterface, error) {
+			return OverSockets(SocketConfig{Dial: dialUnix(next)}), nil
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	path, _ := serveSockets(t, srv, SocketServerConfig{})
+	up, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Forward(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := wire.EncodeSetup(wire.Setup{Role: wire.RoleForward, PipelineID: "idle", Origin: "test", WireDType: stage.F32,
+		Route: []wire.Hop{{Peer: "self", Start: 0, End: 2}, {Peer: "next", Start: 2, End: 5}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Send(f); err != nil {
+		t.Fatal(err)
+	}
+	open, err := wire.EncodeControl(1, wire.Control{Op: wire.OpOpen, Seq: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := up.Send(open); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond) // the link is up and waits for frames
+	closed := make(chan struct{})
+	go func() {
+		srv.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the stage server did not close: a link still waits on its idle upstream")
+	}
+	// The upstream is told why, then its stream ends.
+	f, err = up.Recv()
+	if err != nil || wire.BodyKind(f) != "error" {
+		t.Fatalf("upstream received %v, %v; want an error frame", f, err)
+	}
+	if _, err := up.Recv(); err == nil {
+		t.Fatal("the upstream's stream goes on after the server closed")
+	}
 }
