@@ -154,10 +154,11 @@ type cudaFused struct {
 	// each token's row up here and hands the kernels hidden states.
 	hostEmbd unsafe.Pointer
 	embd     []float32
-	// pinned holds the last stage's logits buffers, in pinned host memory
-	// that the GPU copies into directly: it saves copying 4 bytes per
-	// vocabulary entry again (half a megabyte a token for Llama 3, 8 MB a
-	// batch of 16). A buffer holds pinnedRows rows.
+	// pinned holds the last stage's logits buffers, or another stage's
+	// hidden states, in pinned host memory that the GPU copies into
+	// directly: it saves copying 4 bytes per vocabulary entry again (half
+	// a megabyte a token for Llama 3, 8 MB a batch of 16). A buffer holds
+	// pinnedRows rows.
 	pinned     pinnedPool
 	pinnedRows int
 	picks      []C.int // a pass's greedy picks (Batch.PicksOnly), reused
@@ -340,9 +341,11 @@ func (f *cudaFused) create() (ok bool, err error) {
 	}
 	f.maxRows = int(C.meshnode_mf_max_rows_call(f.h))
 	f.passes = fusedPassLimit(f.maxRows, s.embd)
+	f.pinnedRows = min(f.maxRows*f.passes, pinnedRowsMax)
 	if e.info.Last() {
-		f.pinnedRows = min(f.maxRows*f.passes, pinnedRowsMax)
 		f.pinned.n = f.pinnedRows * e.info.Vocab
+	} else {
+		f.pinned.n = f.pinnedRows * e.info.Embd
 	}
 	if f.hostEmbd != nil {
 		f.embd = make([]float32, f.maxRows*s.embd)
@@ -393,10 +396,20 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 			dst, free = e.logits.get(n * e.info.Vocab)
 		}
 	} else {
-		if cap(e.hidden) < n*e.info.Embd {
-			e.hidden = make([]float32, n*e.info.Embd)
+		// Hidden states straight into pinned memory too, whence
+		// NewActivation takes its one copy (eight rows of an 8B model
+		// are 128 KiB a pass).
+		if n <= f.pinnedRows {
+			if dst, free = f.pinned.get(); dst != nil {
+				dst, pinned = dst[:n*width], 1
+			}
 		}
-		dst = e.hidden[:n*e.info.Embd]
+		if dst == nil {
+			if cap(e.hidden) < n*e.info.Embd {
+				e.hidden = make([]float32, n*e.info.Embd)
+			}
+			dst = e.hidden[:n*e.info.Embd]
+		}
 	}
 	placed := 0
 	// fail undoes the rows placed in the cache, so that the batch leaves
@@ -487,7 +500,11 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		return out, true, nil
 	}
 	var err error
-	if out.Hidden, err = stage.NewActivation(stage.F32, n, e.info.Embd, dst); err != nil {
+	out.Hidden, err = stage.NewActivation(stage.F32, n, e.info.Embd, dst)
+	if free != nil {
+		free()
+	}
+	if err != nil {
 		return nil, true, err
 	}
 	return out, true, nil
