@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
 	"testing"
 	"time"
 
@@ -207,7 +208,7 @@ func libp2pPipeline(b *testing.B, embd int, local bool) *Pipeline {
 	defer cancel()
 	hosts := make([]*host.Host, 2)
 	for i := range hosts {
-		if hosts[i], err = host.New(ctx, host.Config{DataDir: b.TempDir(), Listen: []string{"/ip4/127.0.0.1/tcp/0"}, MeshKey: key}); err != nil {
+		if hosts[i], err = host.New(ctx, host.Config{DataDir: b.TempDir(), Listen: []string{"/ip4/127.0.0.1/tcp/0"}, MeshKey: key, BusyPoll: benchBusyPoll}); err != nil {
 			b.Fatal(err)
 		}
 		b.Cleanup(func() { hosts[i].Close() })
@@ -263,4 +264,12 @@ func libp2pPipeline(b *testing.B, embd int, local bool) *Pipeline {
 	}
 	b.Cleanup(func() { p.Close() })
 	return p
+}
+
+var benchBusyPoll time.Duration
+
+func init() {
+	if d, err := time.ParseDuration(os.Getenv("MESHNODE_BENCH_BUSY_POLL")); err == nil {
+		benchBusyPoll = d
+	}
 }
