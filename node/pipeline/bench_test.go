@@ -266,6 +266,9 @@ func libp2pPipeline(b *testing.B, embd int, local bool) *Pipeline {
 	return p
 }
 
+// benchBusyPoll is the busy-poll window of libp2pPipeline's hosts
+// (host.Config.BusyPoll), from MESHNODE_BENCH_BUSY_POLL (e.g. 25ms, as GPU
+// nodes poll by default); none when unset.
 var benchBusyPoll time.Duration
 
 func init() {
