@@ -41,7 +41,7 @@ func (f *nodeFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&c.MDNS, "mdns", false, "find nodes of the same mesh on the LAN without addresses")
 	fs.StringVar(&c.Layers, "layers", "", "pin this node to layers START:END of the model")
 	fs.StringVar(&f.maxMemory, "max-memory", "", "cap the memory this node offers the planner, e.g. 6GiB or 512MB")
-	fs.StringVar(&f.wire, "wire-dtype", "f16", "activation type between stages: f16 or f32")
+	fs.StringVar(&f.wire, "wire-dtype", "f16", "activation type between stages of different machines: f16 or f32 (stages of one machine, over local sockets, always exchange f32)")
 	fs.Var(switchFlag{&c.Pipelining}, "pipelining", "keep a micro-batch in flight on every stage, so that several streams keep all stages busy: auto (when every stage has a machine or GPU of its own), on, off. Stages that share a GPU or a machine's cores are slower pipelined")
 	fs.IntVar(&c.MicroBatches, "micro-batches", 0, "with pipelining: how many micro-batches the streams are split into, all in flight at once; 0 = one per stage. More than the stages can hide the hops between them, at the cost of smaller passes")
 	fs.IntVar(&c.Threads, "threads", 0, "CPU threads for compute; 0 = a thread per 32 MiB of the stage's weights, up to all cores (a small model runs fastest on one)")

@@ -30,6 +30,10 @@
 // streams (OverSockets, SocketServer): length-prefixed frames on a
 // connection of their own, with gRPC's stream semantics (status codes, half
 // close, cancellation), so that Server and Pipeline cannot tell them apart.
+// On socket and in-process streams a stage's handler reads its frames, and
+// writes them to a next hop over a socket, itself; on gRPC's, a goroutine
+// of the handler's reads for it and another writes. Hops over socket
+// streams carry f32 whatever the pipeline's wire dtype.
 //
 // # Sequences and sampling
 //
