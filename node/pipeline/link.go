@@ -190,7 +190,7 @@ func (l *link) start() error {
 		// split its exactness. And the handler writes its frames
 		// itself: a socket write is a copy into the kernel's buffer,
 		// and handing each frame to a sender goroutine cost a decode
-		// step its wake-up (10 µs a token on an H200 host, run 208's
+		// step its wake-up (10 µs a token on an H200 host, run 209's
 		// trace).
 		l.wireDType = stage.F32
 		l.direct = true
@@ -295,11 +295,11 @@ func (l *link) watch() {
 func (l *link) next() (recvd, bool) {
 	if l.in == nil {
 		f, err := l.up.Recv()
-		if err != nil && l.ctx.Err() != nil {
-			return recvd{}, false
-		}
 		if status.Code(err) == codes.ResourceExhausted {
 			l.s.badPeer(l.from, err)
+		}
+		if err != nil && l.ctx.Err() != nil {
+			return recvd{}, false
 		}
 		return recvd{f, err}, true
 	}

@@ -288,16 +288,19 @@ func (s *Server) recvSetup(ctx context.Context, stream meshnodev1.StageService_F
 	defer scancel()
 	stop := direct.cancelRecv(sctx)
 	f, err := stream.Recv()
-	if !stop() {
+	stopped := !stop()
+	if status.Code(err) == codes.ResourceExhausted {
+		// The stream itself ended, and told the peer why.
+		s.badPeer(s.cfg.PeerOf(stream.Context()), err)
+		return recvd{f, err}, nil
+	}
+	if stopped {
 		// The stream's reads were stopped, whether or not this one
 		// returned a frame first.
 		if ctx.Err() != nil {
 			return recvd{}, status.FromContextError(context.Cause(ctx)).Err()
 		}
 		return recvd{}, status.Errorf(codes.DeadlineExceeded, "no setup frame within %s", s.cfg.SetupTimeout)
-	}
-	if status.Code(err) == codes.ResourceExhausted {
-		s.badPeer(s.cfg.PeerOf(stream.Context()), err)
 	}
 	return recvd{f, err}, nil
 }

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -30,7 +31,7 @@ type rawPipeline struct {
 func openRaw(t *testing.T, ctx context.Context, m *mesh, name string) *rawPipeline {
 	t.Helper()
 	last := len(m.route) - 1
-	conn, err := m.conns.Dial(ctx, m.route[last].Peer)
+	conn, err := m.dialRaw(ctx, m.route[last].Peer)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -229,8 +230,26 @@ func TestBadFrames(t *testing.T) {
 }
 
 func TestOversizedMessage(t *testing.T) {
+	for _, sockets := range []bool{false, true} {
+		name := "grpc"
+		if sockets {
+			name = "sockets"
+		}
+		t.Run(name, func(t *testing.T) { oversizedMessage(t, sockets) })
+	}
+}
+
+func oversizedMessage(t *testing.T, sockets bool) {
 	const limit = 64 << 10
-	m := newMesh(t, threeStages, engineOpts, stageOpts{}, stageOpts{}, stageOpts{maxFrame: limit})
+	so := []stageOpts{{}, {}, {maxFrame: limit}}
+	var m *mesh
+	cfg := Config{WireDType: stage.F32}
+	if sockets {
+		m = newSocketMesh(t, threeStages, engineOpts, so...)
+		cfg.Dial = m.dialSockets()
+	} else {
+		m = newMesh(t, threeStages, engineOpts, so...)
+	}
 	last := m.stages[2]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -240,7 +259,7 @@ func TestOversizedMessage(t *testing.T) {
 	}
 
 	t.Run("first frame", func(t *testing.T) {
-		conn, _ := m.conns.Dial(ctx, last.addr)
+		conn, _ := m.dialRaw(ctx, last.addr)
 		s, err := meshnodev1.NewStageServiceClient(conn).Forward(ctx)
 		if err != nil {
 			t.Fatal(err)
@@ -271,7 +290,7 @@ func TestOversizedMessage(t *testing.T) {
 	}
 
 	// The stage still serves, and pipelines split to fit its limit.
-	p := m.pipeline(t, Config{WireDType: stage.F32})
+	p := m.pipeline(t, cfg)
 	sc := scenario{seqs: []stage.SeqID{1}, prompts: [][]int32{make([]int32, 250)}, steps: 2} // over one 64 KiB frame at f32
 	for i := range sc.prompts[0] {
 		sc.prompts[0][i] = int32(1 + i%400)
@@ -428,5 +447,53 @@ func TestAbort(t *testing.T) {
 	p.Close()
 	if d := time.Since(start); d > time.Second {
 		t.Errorf("Close after Abort took %s", d)
+	}
+}
+
+// dialRaw reaches a stage as the mesh's origin does: over socket streams
+// in a newSocketMesh, else over gRPC.
+func (m *mesh) dialRaw(ctx context.Context, addr string) (grpc.ClientConnInterface, error) {
+	if m.sockets != nil {
+		return m.dialSockets()(ctx, addr)
+	}
+	return m.conns.Dial(ctx, addr)
+}
+
+// TestNoSetupFrame: a stream that sends nothing is ended within the setup
+// timeout, whichever transport carries it (the socket and in-process
+// streams are read by the handler itself, gRPC's by a goroutine).
+func TestNoSetupFrame(t *testing.T) {
+	m := newSocketMesh(t, []int{0, 5}, engineOpts, stageOpts{setupTimeout: 200 * time.Millisecond})
+	st := m.stages[0]
+	tests := []struct {
+		name string
+		conn func(ctx context.Context) (grpc.ClientConnInterface, error)
+	}{
+		{"grpc", func(ctx context.Context) (grpc.ClientConnInterface, error) { return m.conns.Dial(ctx, st.addr) }},
+		{"socket", func(context.Context) (grpc.ClientConnInterface, error) {
+			return OverSockets(SocketConfig{Dial: dialUnix(st.sock)}), nil
+		}},
+		{"in process", func(context.Context) (grpc.ClientConnInterface, error) { return InProcess(st.srv), nil }},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+			defer cancel()
+			conn, err := tc.conn(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := meshnodev1.NewStageServiceClient(conn).Forward(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			start := time.Now()
+			if _, err := s.Recv(); status.Code(err) != codes.DeadlineExceeded || !strings.Contains(err.Error(), "no setup frame") {
+				t.Fatalf("got %v, want DeadlineExceeded for the missing setup frame", err)
+			}
+			if d := time.Since(start); d > 5*time.Second {
+				t.Fatalf("the stream ended after %s, its setup timeout is 200ms", d)
+			}
+		})
 	}
 }
