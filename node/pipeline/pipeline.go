@@ -870,8 +870,8 @@ func (p *Pipeline) watchdog() {
 		}
 		hop := p.probe()
 		if p.head() != c {
-			timer.Reset(timeout)
-			continue // answered while probing
+			timer.Reset(0) // answered while probing: look at the new oldest call now
+			continue
 		}
 		p.fail(p.hopError(hop, fmt.Errorf("%w: step %d waited %s", ErrStalled, c.step, time.Since(since).Round(time.Millisecond))))
 		return
