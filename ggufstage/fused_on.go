@@ -383,28 +383,24 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 			f.picks = make([]C.int, n)
 		}
 		f.picks = f.picks[:n]
-	} else if e.info.Last() {
-		width = e.info.Vocab
-		// Not through the engine's own pinned buffer and a host copy: the
-		// logits of eight rows are 4 MB.
-		if n <= f.pinnedRows {
-			if dst, free = f.pinned.get(); dst != nil {
-				dst, pinned = dst[:n*width], 1
-			}
-		}
-		if dst == nil {
-			dst, free = e.logits.get(n * e.info.Vocab)
-		}
 	} else {
-		// Hidden states straight into pinned memory too, whence
-		// NewActivation takes its one copy (eight rows of an 8B model
-		// are 128 KiB a pass).
+		// Logits or hidden states straight into pinned memory, not
+		// through the engine's own pinned buffer and a host copy: the
+		// logits of eight rows are 4 MB, their hidden states 128 KiB for
+		// an 8B model, which NewActivation then copies once.
+		if e.info.Last() {
+			width = e.info.Vocab
+		}
 		if n <= f.pinnedRows {
 			if dst, free = f.pinned.get(); dst != nil {
 				dst, pinned = dst[:n*width], 1
 			}
 		}
-		if dst == nil {
+		switch {
+		case dst != nil:
+		case e.info.Last():
+			dst, free = e.logits.get(n * e.info.Vocab)
+		default:
 			if cap(e.hidden) < n*e.info.Embd {
 				e.hidden = make([]float32, n*e.info.Embd)
 			}
