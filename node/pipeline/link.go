@@ -91,7 +91,6 @@ type link struct {
 	down       meshnodev1.StageService_ForwardClient
 	downCancel context.CancelFunc     // ends down; drain calls it last
 	out        chan *meshnodev1.Frame // nil: the handler sends itself (direct)
-	direct     bool                   // the next hop is over a socket stream: no sender goroutine
 	sent       chan struct{}          // closed when the sender is done
 	watched    chan struct{}          // closed when the watcher is done
 	closing    chan struct{}
@@ -193,7 +192,6 @@ func (l *link) start() error {
 		// step its wake-up (10 µs a token on an H200 host, run 209's
 		// trace).
 		l.wireDType = stage.F32
-		l.direct = true
 		// A write blocked on a next hop that stopped reading must not
 		// keep the handler from ending; the stream lives on the
 		// server's context (see above), so the link's end bounds it.
@@ -208,6 +206,15 @@ func (l *link) start() error {
 	go l.send()
 	go l.watch()
 	return nil
+}
+
+// direct says the next hop is over a socket stream, to which the handler
+// sends its frames itself, with no sender goroutine.
+func (l *link) direct() bool { return l.out == nil }
+
+// sendFailed is the failure of a send to the next hop.
+func (l *link) sendFailed(err error) *failure {
+	return &failure{hop: l.st.Hop + 1, from: fromDown, err: fmt.Errorf("%w: sending to hop %d (%s): %w", wire.ErrUnavailable, l.st.Hop+1, l.nextPeer, err)}
 }
 
 // directSendGrace is how long a direct send may still take once the link
@@ -235,7 +242,7 @@ func (l *link) sendDown(f *meshnodev1.Frame) error {
 			return context.Cause(l.ctx)
 		}
 	}
-	return &failure{hop: l.st.Hop + 1, from: fromDown, err: fmt.Errorf("%w: sending to hop %d (%s): %w", wire.ErrUnavailable, l.st.Hop+1, l.nextPeer, err)}
+	return l.sendFailed(err)
 }
 
 // send passes queued frames to the next hop. Sending apart from compute
@@ -249,7 +256,7 @@ func (l *link) send() {
 			// io.EOF means the stream is already gone; the watcher
 			// reports why.
 			if !errors.Is(err, io.EOF) {
-				l.cancel(&failure{hop: l.st.Hop + 1, from: fromDown, err: fmt.Errorf("%w: sending to hop %d (%s): %w", wire.ErrUnavailable, l.st.Hop+1, l.nextPeer, err)})
+				l.cancel(l.sendFailed(err))
 			}
 			return
 		}
@@ -644,7 +651,7 @@ func (l *link) emit(f *meshnodev1.Frame) error {
 		}
 		return nil
 	}
-	if l.direct {
+	if l.direct() {
 		return l.sendDown(f)
 	}
 	select {
@@ -739,7 +746,7 @@ func (l *link) drain(final *meshnodev1.Frame) {
 		return
 	}
 	switch {
-	case l.direct:
+	case l.direct():
 		if final != nil {
 			_ = l.down.Send(final) // a stream already gone has nobody to tell
 		}
@@ -750,7 +757,7 @@ func (l *link) drain(final *meshnodev1.Frame) {
 		case <-wait.C:
 		}
 	}
-	if l.out != nil {
+	if !l.direct() {
 		close(l.out)
 	}
 	select {

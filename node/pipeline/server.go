@@ -224,7 +224,7 @@ func (s *Server) Forward(stream meshnodev1.StageService_ForwardServer) error {
 	var first recvd
 	if direct != nil {
 		var err error
-		if first, err = s.recvSetup(ctx, stream, direct); err != nil {
+		if first, err = s.recvSetup(ctx, stream, from, direct); err != nil {
 			return err
 		}
 	} else {
@@ -283,7 +283,7 @@ type recvCanceler interface {
 
 // recvSetup reads a stream's first frame on the handler's goroutine,
 // within the setup timeout.
-func (s *Server) recvSetup(ctx context.Context, stream meshnodev1.StageService_ForwardServer, direct recvCanceler) (recvd, error) {
+func (s *Server) recvSetup(ctx context.Context, stream meshnodev1.StageService_ForwardServer, from string, direct recvCanceler) (recvd, error) {
 	sctx, scancel := context.WithTimeout(ctx, s.cfg.SetupTimeout)
 	defer scancel()
 	stop := direct.cancelRecv(sctx)
@@ -291,7 +291,7 @@ func (s *Server) recvSetup(ctx context.Context, stream meshnodev1.StageService_F
 	stopped := !stop()
 	if status.Code(err) == codes.ResourceExhausted {
 		// The stream itself ended, and told the peer why.
-		s.badPeer(s.cfg.PeerOf(stream.Context()), err)
+		s.badPeer(from, err)
 		return recvd{f, err}, nil
 	}
 	if stopped {
