@@ -380,9 +380,9 @@ func (e *Engine) unallocate() {
 	}
 }
 
-// floatPool recycles the engine's logits buffers: a pass at 32 rows of a
-// 128K vocabulary returns 16 MB, which fresh from the heap must first be
-// zeroed and later collected.
+// floatPool recycles the engine's logits or hidden-state buffers: a pass
+// at 32 rows of a 128K vocabulary returns 16 MB, which fresh from the heap
+// must first be zeroed and later collected.
 type floatPool struct {
 	mu   sync.Mutex
 	free [][]float32

@@ -124,9 +124,8 @@ type Engine struct {
 	lanes        []*lane
 	decodeGraphs bool
 	prep         sync.WaitGroup // allocAhead goroutines, waited for by Close
-	// Reused read buffers: hidden is read under mu and copied out by
-	// NewActivation; logits go to the caller and come back by Release.
-	hidden []float32
+	// Read buffers: a pass's logits or hidden states go to the caller and
+	// come back by Release (Output.Free).
 	logits floatPool
 	// fused runs decode passes on CUDA (see fused.go); fusedWhy
 	// says why it does not, when it was wanted.
@@ -414,8 +413,8 @@ var computeMu sync.Mutex
 type passTimes struct{ alloc, launch, wait time.Duration }
 
 // compute runs p's graph and reads its result back. While a GPU computes,
-// between runs on the host. The floats are e.hidden's, or a buffer from
-// e.logits that free returns.
+// between runs on the host. The floats are a buffer from e.logits that
+// free returns, or (free nil) the caller's to keep.
 func (e *Engine) compute(p *pass, rows int, between func(), t *passTimes) (floats []float32, free func(), err error) {
 	computeMu.Lock()
 	defer computeMu.Unlock()
@@ -451,10 +450,9 @@ func (e *Engine) compute(p *pass, rows int, between func(), t *passTimes) (float
 	case p.last:
 		dst, free = e.logits.get(len(p.outputs) * e.info.Vocab)
 	case !e.info.Last():
-		if n := rows * e.info.Embd; cap(e.hidden) < n {
-			e.hidden = make([]float32, n)
-		}
-		dst = e.hidden[:rows*e.info.Embd]
+		// Lent to the caller, who sends it on (a hop of sixteen rows
+		// of an 8B model is 256 KiB) and gives it back.
+		dst, free = e.logits.get(rows * e.info.Embd)
 	}
 	err = p.sg.read(p.out, dst)
 	t.wait = time.Since(start)
@@ -641,9 +639,13 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 	case e.info.Last():
 		// A prefill chunk with no output rows: the cache is filled, nothing to return.
 	default:
-		if out.Hidden, err = stage.NewActivation(stage.F32, n, e.info.Embd, floats); err != nil {
+		if out.Hidden, err = stage.SharedActivation(n, e.info.Embd, floats); err != nil {
+			if free != nil {
+				free()
+			}
 			return nil, err
 		}
+		out.Free = free
 	}
 	return out, nil
 }

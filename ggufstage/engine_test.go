@@ -58,6 +58,7 @@ func (p *pipeline) run(t *testing.T, b stage.Batch) *stage.Output {
 	t.Helper()
 	ctx := context.Background()
 	var hidden *stage.Activation
+	var prev *stage.Output
 	for i, s := range p.stages {
 		sb := b
 		if i > 0 {
@@ -68,6 +69,10 @@ func (p *pipeline) run(t *testing.T, b stage.Batch) *stage.Output {
 		if err != nil {
 			t.Fatalf("stage %s: %v", s.Info().Range(), err)
 		}
+		// The hidden states it ran on go back to the stage that lent
+		// them, for its next pass, as a pipeline gives them back.
+		prev.Release()
+		prev = out
 		if i == len(p.stages)-1 {
 			return out
 		}
@@ -183,6 +188,48 @@ func checkMatchesStock(t *testing.T, path string, layers int, opts Options, sc s
 		if d := maxAbsDiff(got[i], want[i]); d > 1e-5 {
 			t.Errorf("step %d: max |engine - ollama| = %g, want <= 1e-5", i, d)
 		}
+	}
+}
+
+// TestHiddenLent: a stage that does not own the head lends its hidden
+// states (Output.Free), and does not write over them until they are given
+// back.
+func TestHiddenLent(t *testing.T) {
+	p := openSplit(t, storiesPath, []int{0, 2, 5}, Options{Threads: 1, MaxSeqs: 1, Context: 64})
+	defer p.close()
+	p.open(t, 1)
+	e := p.stages[0]
+	pass := func(pos int32, tok int32) *stage.Output {
+		t.Helper()
+		out, err := e.Forward(context.Background(), &stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{pos}, Tokens: []int32{tok}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out.Hidden == nil || out.Free == nil {
+			t.Fatalf("pass at %d: hidden %v, lent %v", pos, out.Hidden != nil, out.Free != nil)
+		}
+		return out
+	}
+	held := pass(0, 1)
+	was := slices.Clone(held.Hidden.Data)
+	for pos := int32(1); pos < 6; pos++ {
+		out := pass(pos, 100+pos)
+		if string(out.Hidden.Data) == string(was) {
+			t.Fatalf("pass at %d gave the hidden states of pass 0", pos)
+		}
+		out.Release()
+	}
+	if string(held.Hidden.Data) != string(was) {
+		t.Fatal("hidden states changed while lent")
+	}
+	heldAt := &held.Hidden.Data[0]
+	held.Release()
+	if held.Hidden != nil || held.Free != nil {
+		t.Fatal("Release left the output's hidden states")
+	}
+	// The pool hands out what came back last first.
+	if again := pass(6, 7); &again.Hidden.Data[0] != heldAt {
+		t.Error("the engine did not reuse the hidden states given back")
 	}
 }
 

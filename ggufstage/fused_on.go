@@ -387,7 +387,7 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		// Logits or hidden states straight into pinned memory, not
 		// through the engine's own pinned buffer and a host copy: the
 		// logits of eight rows are 4 MB, their hidden states 128 KiB for
-		// an 8B model, which NewActivation then copies once.
+		// an 8B model. Either is lent to the caller.
 		if e.info.Last() {
 			width = e.info.Vocab
 		}
@@ -396,15 +396,8 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 				dst, pinned = dst[:n*width], 1
 			}
 		}
-		switch {
-		case dst != nil:
-		case e.info.Last():
-			dst, free = e.logits.get(n * e.info.Vocab)
-		default:
-			if cap(e.hidden) < n*e.info.Embd {
-				e.hidden = make([]float32, n*e.info.Embd)
-			}
-			dst = e.hidden[:n*e.info.Embd]
+		if dst == nil {
+			dst, free = e.logits.get(n * width)
 		}
 	}
 	placed := 0
@@ -495,14 +488,14 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		out.Logits, out.Free = dst, free
 		return out, true, nil
 	}
-	var err error
-	out.Hidden, err = stage.NewActivation(stage.F32, n, e.info.Embd, dst)
-	if free != nil {
-		free()
-	}
+	// Lent to the caller until Release: a pipeline sends it from there to
+	// the next stage's socket.
+	h, err := stage.SharedActivation(n, e.info.Embd, dst)
 	if err != nil {
+		free()
 		return nil, true, err
 	}
+	out.Hidden, out.Free = h, free
 	return out, true, nil
 }
 

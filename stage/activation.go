@@ -100,6 +100,17 @@ func NewActivation(dtype DType, rows, cols int, f []float32) (*Activation, error
 	return a, err
 }
 
+// SharedActivation is an F32 activation of f (len rows*cols) that shares
+// f's memory, for an engine that lends its output (Output.Free): on a
+// little-endian host, as every host meshnode runs on, no copy; elsewhere
+// NewActivation's.
+func SharedActivation(rows, cols int, f []float32) (*Activation, error) {
+	if !littleEndian || len(f) != rows*cols {
+		return NewActivation(F32, rows, cols, f)
+	}
+	return &Activation{DType: F32, Rows: rows, Cols: cols, Data: floatBytes(f)}, nil
+}
+
 // Float32 decodes the activation to float32s.
 func (a *Activation) Float32() ([]float32, error) {
 	if err := a.Validate(); err != nil {

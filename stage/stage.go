@@ -132,9 +132,9 @@ type Output struct {
 	// Batch.Outputs: the index of the row's largest logit as
 	// node/sample's greedy sampler takes it (GreedyPick).
 	Picks []int32
-	// Free, when set, hands Logits' memory back to the engine for its next
-	// pass; Release calls it. A caller that does not release just leaves
-	// the memory to the garbage collector.
+	// Free, when set, hands the memory of Logits or of Hidden back to the
+	// engine for its next pass; Release calls it. A caller that does not
+	// release just leaves the memory to the garbage collector.
 	Free func()
 }
 
@@ -188,8 +188,9 @@ func SanitizeLogit(x float32) float32 {
 // LogitsRow returns row i of the logits.
 func (o *Output) LogitsRow(i, vocab int) []float32 { return o.Logits[i*vocab : (i+1)*vocab] }
 
-// Release gives the output's logits back to the engine that wrote them;
-// they must not be read after. It is safe to call on nil and more than once.
+// Release gives the output's logits or hidden states back to the engine
+// that wrote them; they must not be read after. It is safe to call on nil
+// and more than once.
 func (o *Output) Release() {
 	if o == nil {
 		return
@@ -197,6 +198,7 @@ func (o *Output) Release() {
 	free := o.Free
 	o.Free, o.Logits = nil, nil
 	if free != nil {
+		o.Hidden = nil
 		free()
 	}
 }
@@ -207,7 +209,10 @@ type Engine interface {
 	Info() Info
 
 	// Forward runs the batch through the engine's layers, appending each
-	// row's keys and values to its sequence's cache.
+	// row's keys and values to its sequence's cache. It is done with b
+	// when it returns: neither the engine nor its output may hold on to
+	// b's memory (a pipeline stage's b.Hidden is lent by the stream it
+	// came on, until the next frame).
 	Forward(ctx context.Context, b *Batch) (*Output, error)
 
 	// Open reserves cache space for a new sequence. It fails with

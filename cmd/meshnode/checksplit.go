@@ -90,6 +90,7 @@ CPU's (max |difference| reported). For checking GPU backends.`, `  meshnode dev 
 				if o.Hidden != nil {
 					f, _ := o.Hidden.Float32()
 					hidden, _ = stage.NewActivation(dt, o.Hidden.Rows, o.Hidden.Cols, f)
+					o.Release() // copied out: the engine may have it back
 				}
 				logits = o.Logits
 			}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -51,7 +52,7 @@ func BenchmarkDecodeStep(b *testing.B) {
 			return toks, err
 		}, func() error { return e.Trim(seq, promptLen) })
 	})
-	instant := stageOpts{wrap: func(e stage.Engine) stage.Engine { return instantEngine{Engine: e} }}
+	instant := stageOpts{wrap: func(e stage.Engine) stage.Engine { return instantEngine{Engine: e, bufs: &zeroBufs{}} }}
 	for _, tc := range []struct {
 		name   string
 		bounds []int
@@ -113,11 +114,35 @@ func decodeLoop(b *testing.B, tok int32, step func(*stage.Batch) ([]int32, error
 // without the engine's compute. With embd set, its hidden state is that
 // wide (an 8B model's stages send each other n_embd 4096); with picks set,
 // it answers a batch that asks only for greedy picks with them (token 1),
-// as a GPU stage does.
+// as a GPU stage does. Its hidden states are lent from buffers it reuses,
+// as ggufstage's are (Output.Free).
 type instantEngine struct {
 	stage.Engine
 	embd  int // 0: the engine's
 	picks bool
+	bufs  *zeroBufs
+}
+
+// zeroBufs lends zeroed hidden-state buffers, as an engine's pool does.
+type zeroBufs struct {
+	mu   sync.Mutex
+	free [][]float32
+}
+
+func (z *zeroBufs) get(n int) ([]float32, func()) {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	var buf []float32
+	if k := len(z.free); k > 0 && cap(z.free[k-1]) >= n {
+		buf, z.free = z.free[k-1][:n], z.free[:k-1]
+	} else {
+		buf = make([]float32, n)
+	}
+	return buf, func() {
+		z.mu.Lock()
+		defer z.mu.Unlock()
+		z.free = append(z.free, buf)
+	}
 }
 
 func (e instantEngine) Info() stage.Info {
@@ -131,8 +156,13 @@ func (e instantEngine) Info() stage.Info {
 func (e instantEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output, error) {
 	info := e.Info()
 	if !info.Last() {
-		h, err := stage.NewActivation(stage.F32, b.Rows(), info.Embd, make([]float32, b.Rows()*info.Embd))
-		return &stage.Output{Hidden: h}, err
+		if e.bufs == nil {
+			h, err := stage.NewActivation(stage.F32, b.Rows(), info.Embd, make([]float32, b.Rows()*info.Embd))
+			return &stage.Output{Hidden: h}, err
+		}
+		f, free := e.bufs.get(b.Rows() * info.Embd)
+		h, err := stage.SharedActivation(b.Rows(), info.Embd, f)
+		return &stage.Output{Hidden: h, Free: free}, err
 	}
 	if e.picks && b.PicksOnly {
 		picks := make([]int32, len(b.Outputs))
@@ -162,7 +192,9 @@ func BenchmarkWideStep(b *testing.B) {
 			b.Run(fmt.Sprintf("%s/rows=%d", via, rows), func(b *testing.B) {
 				var p *Pipeline
 				if via == "tcp" {
-					wide := stageOpts{wrap: func(e stage.Engine) stage.Engine { return instantEngine{Engine: e, embd: 4096, picks: true} }, maxSeqs: 16}
+					wide := stageOpts{wrap: func(e stage.Engine) stage.Engine {
+						return instantEngine{Engine: e, embd: 4096, picks: true, bufs: &zeroBufs{}}
+					}, maxSeqs: 16}
 					m := newMesh(b, []int{0, 2, 5}, engineOpts, wide, wide)
 					p = m.pipeline(b, Config{Dial: m.dialHop0InProcess(), WireDType: stage.F32})
 				} else {
@@ -236,7 +268,7 @@ func libp2pPipeline(b *testing.B, embd int, local bool) *Pipeline {
 	}
 	srvs := make([]*Server, 2)
 	for i, e := range engines {
-		if srvs[i], err = NewServer(ServerConfig{Engine: instantEngine{Engine: serialEngine{e}, embd: embd, picks: true}, Dial: dial, ModelID: "stories260K", ModelHash: "test-hash"}); err != nil {
+		if srvs[i], err = NewServer(ServerConfig{Engine: instantEngine{Engine: serialEngine{e}, embd: embd, picks: true, bufs: &zeroBufs{}}, Dial: dial, ModelID: "stories260K", ModelHash: "test-hash"}); err != nil {
 			b.Fatal(err)
 		}
 		b.Cleanup(func() { srvs[i].Close() })

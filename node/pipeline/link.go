@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"sync"
 	"time"
 
@@ -534,7 +535,17 @@ func (l *link) run(step uint64, b *stage.Batch) error {
 		return l.stepFailed(step, err)
 	}
 	if !l.last {
-		next := &stage.Batch{Seqs: b.Seqs, Pos: b.Pos, Tokens: b.Tokens, Hidden: out.Hidden, Outputs: b.Outputs}
+		// The engine may lend its hidden states (Output.Free). A direct
+		// send is done with them when it returns; frames queued for
+		// the sender goroutine, and gRPC, which may read a message
+		// after Send, get a copy of their own, unless converting to
+		// the wire's dtype makes one anyway.
+		defer out.Release()
+		hidden := out.Hidden
+		if out.Free != nil && !l.direct() && hidden != nil && hidden.DType == l.wireDType {
+			hidden = &stage.Activation{DType: hidden.DType, Rows: hidden.Rows, Cols: hidden.Cols, Data: slices.Clone(hidden.Data)}
+		}
+		next := &stage.Batch{Seqs: b.Seqs, Pos: b.Pos, Tokens: b.Tokens, Hidden: hidden, Outputs: b.Outputs}
 		frames, err := splitFrames(step, next, l.wireDType, l.frameLimit)
 		if err != nil {
 			return l.stepFailed(step, err)

@@ -15,15 +15,28 @@ import (
 
 var threeStages = []int{0, 2, 4, 5}
 
+// longSeqs' prefill is 65 rows, 16 KiB of f32 activations: socket streams
+// write it out of line and lend it to the stage that reads it.
+var longSeqs = scenario{
+	seqs: []stage.SeqID{1, 2},
+	prompts: [][]int32{
+		{1, 403, 407, 261, 378, 300, 58, 12, 99, 250, 310, 77, 45, 460, 333, 201, 18, 97, 140, 222,
+			380, 411, 27, 66, 305, 128, 256, 90, 180, 270, 360, 450, 35, 70, 105, 140, 175, 210, 245, 280},
+		{1, 334, 280, 428, 51, 152, 253, 354, 455, 56, 157, 258, 359, 460, 61, 162, 263, 364, 465, 66, 167, 268, 369, 470, 71},
+	},
+	steps: 8,
+}
+
 func TestGreedyMatchesSingleEngine(t *testing.T) {
-	want := referenceTrace(t, twoSeqs)
+	wants := map[*scenario]trace{&twoSeqs: referenceTrace(t, twoSeqs), &longSeqs: referenceTrace(t, longSeqs)}
 	for _, tc := range []struct {
 		name   string
 		dtype  stage.DType
 		logits bool
 		so     []stageOpts
-		inproc bool // the origin reaches hop 0 in process, as a node reaches its own stage
-		socket bool // every hop over socket streams, as between nodes of one machine
+		inproc bool      // the origin reaches hop 0 in process, as a node reaches its own stage
+		socket bool      // every hop over socket streams, as between nodes of one machine
+		sc     *scenario // nil: twoSeqs
 	}{
 		{name: "f32", dtype: stage.F32, logits: true},
 		{name: "f16", dtype: stage.F16},
@@ -33,8 +46,18 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 		{name: "in-process hop 0", dtype: stage.F32, logits: true, inproc: true},
 		{name: "sockets", dtype: stage.F32, logits: true, socket: true},
 		{name: "sockets f16 split", dtype: stage.F16, socket: true, so: []stageOpts{{}, {maxFrame: 1 << 10}, {maxFrame: 1 << 10}}},
+		{name: "sockets long", dtype: stage.F32, logits: true, socket: true, sc: &longSeqs},
+		// Parts of 23 rows, each written out of line and lent until the
+		// next is read: the joiner must have copied it by then.
+		{name: "sockets long split", dtype: stage.F32, logits: true, socket: true, sc: &longSeqs,
+			so: []stageOpts{{}, {maxFrame: 6 << 10}, {maxFrame: 6 << 10}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			sc := tc.sc
+			if sc == nil {
+				sc = &twoSeqs
+			}
+			want := wants[sc]
 			so := make([]stageOpts, len(threeStages)-1)
 			copy(so, tc.so)
 			seen := make([]*dtypesSeen, len(so))
@@ -58,8 +81,8 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 			if info := p.Info(); info.Start != 0 || info.End != 5 || info.Layers != 5 || info.Vocab != 512 || info.Context != 256 || info.WireDType != tc.dtype {
 				t.Fatalf("info %+v", info)
 			}
-			openAll(t, p, twoSeqs, func(int) sample.Params { return greedy() })
-			got := twoSeqs.run(t, pipelineForward(p))
+			openAll(t, p, *sc, func(int) sample.Params { return greedy() })
+			got := sc.run(t, pipelineForward(p))
 			for i := range want.tokens {
 				if !slices.Equal(got.tokens[i], want.tokens[i]) {
 					t.Fatalf("step %d: tokens %v, want %v", i, got.tokens[i], want.tokens[i])
@@ -72,7 +95,7 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 					t.Fatalf("step %d: logits returned without asking", i)
 				}
 			}
-			for _, q := range twoSeqs.seqs {
+			for _, q := range sc.seqs {
 				if err := p.Release(q); err != nil {
 					t.Fatal(err)
 				}
@@ -93,13 +116,13 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 			}
 			// Hops over socket streams carry f32 whatever the
 			// pipeline's wire dtype: exact, and no conversions.
-			want := tc.dtype
+			wantDType := tc.dtype
 			if tc.socket {
-				want = stage.F32
+				wantDType = stage.F32
 			}
 			for i, d := range seen[1:] {
-				if got := d.all(); len(got) != 1 || got[0] != want {
-					t.Errorf("stage %d received activations as %v, want only %s", i+1, got, want)
+				if got := d.all(); len(got) != 1 || got[0] != wantDType {
+					t.Errorf("stage %d received activations as %v, want only %s", i+1, got, wantDType)
 				}
 			}
 		})
@@ -390,6 +413,9 @@ type dtypeEngine struct {
 	seen *dtypesSeen
 }
 
+// Forward notes the dtype of b's hidden states, and lends its own hidden
+// states as an engine may (Output.Free): poisoned with NaNs once released,
+// so that a stage that sends them after Release sends garbage.
 func (e dtypeEngine) Forward(ctx context.Context, b *stage.Batch) (*stage.Output, error) {
 	if b.Hidden != nil {
 		e.seen.mu.Lock()
@@ -398,5 +424,18 @@ func (e dtypeEngine) Forward(ctx context.Context, b *stage.Batch) (*stage.Output
 		}
 		e.seen.mu.Unlock()
 	}
-	return e.Engine.Forward(ctx, b)
+	out, err := e.Engine.Forward(ctx, b)
+	if err != nil || out.Hidden == nil {
+		return out, err
+	}
+	h := *out.Hidden
+	h.Data = slices.Clone(h.Data)
+	out.Release()
+	lent := &stage.Output{Hidden: &h}
+	lent.Free = func() {
+		for i := range h.Data {
+			h.Data[i] = 0xff
+		}
+	}
+	return lent, nil
 }

@@ -263,9 +263,20 @@ func (s *Server) Forward(stream meshnodev1.StageService_ForwardServer) error {
 	if direct != nil {
 		stop := direct.cancelRecv(ctx)
 		defer stop()
+		if l, ok := stream.(payloadLender); ok {
+			l.lendPayloads()
+		}
 	}
 	return s.serveForward(ctx, cancel, stream, from, setup, in)
 }
+
+// A payloadLender is a server stream that can lend a received frame's
+// activations payload from its read buffer rather than copy it out: after
+// lendPayloads, the payload is valid only until the next Recv. A forward
+// stream's handler is done with each frame before it reads the next (the
+// joiner copies the parts of a split step), so the socket streams that it
+// reads itself lend.
+type payloadLender interface{ lendPayloads() }
 
 // A recvCanceler is a server stream whose Recv its handler may call
 // itself, with no goroutine between them (Server.receive): after

@@ -84,12 +84,18 @@ func readSocketMsg(r *bufio.Reader, buf *[]byte, limit int) (byte, []byte, error
 	return hdr[0], b, nil
 }
 
-// socketWriter writes whole messages, one Write each.
+// socketWriter writes whole messages, one Write each, or one writev for
+// a frame whose activations payload is written from where it lies.
 type socketWriter struct {
 	mu   sync.Mutex
 	conn net.Conn
 	buf  []byte
 }
+
+// outOfLineBytes is the smallest activations payload that a socket
+// stream writes out of line (wire.AppendHead): one row of a 1B model. A
+// smaller one costs less to copy than the shallow copies of its frame.
+const outOfLineBytes = 4 << 10
 
 // write sends a message of kind whose body is m marshaled (m a
 // proto.Message) or raw; it returns the bytes written.
@@ -97,7 +103,13 @@ func (w *socketWriter) write(kind byte, m proto.Message, raw []byte) (int, error
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	b := append(w.buf[:0], kind, 0, 0, 0, 0)
-	if m != nil {
+	var payload []byte
+	if f, ok := m.(*meshnodev1.Frame); ok && len(f.GetActivations().GetPayload()) >= outOfLineBytes {
+		var err error
+		if b, payload, err = wire.AppendHead(b, f); err != nil {
+			return 0, status.Errorf(codes.Internal, "encoding a frame: %v", err)
+		}
+	} else if m != nil {
 		var err error
 		if b, err = (proto.MarshalOptions{}).MarshalAppend(b, m); err != nil {
 			return 0, status.Errorf(codes.Internal, "encoding a frame: %v", err)
@@ -105,9 +117,16 @@ func (w *socketWriter) write(kind byte, m proto.Message, raw []byte) (int, error
 	} else {
 		b = append(b, raw...)
 	}
-	binary.LittleEndian.PutUint32(b[1:], uint32(len(b)-socketHeader))
+	binary.LittleEndian.PutUint32(b[1:], uint32(len(b)+len(payload)-socketHeader))
 	w.buf = b
-	return w.conn.Write(b)
+	if payload == nil {
+		return w.conn.Write(b)
+	}
+	// One writev on the Unix and TCP connections of package net (and the
+	// types that embed them); two writes on others.
+	bufs := net.Buffers{b, payload}
+	n, err := bufs.WriteTo(w.conn)
+	return int(n), err
 }
 
 // endBody is socketEnd's body for a handler's result.
@@ -428,6 +447,8 @@ type socketServerStream struct {
 	count  func(peer, dir string, n int)
 
 	rbuf    []byte
+	mbuf    []byte      // UnmarshalLent's scratch
+	lend    bool        // frames' payloads are lent from rbuf (lendPayloads)
 	closed  bool        // the client closed its side
 	rerr    error       // the read side's end, once seen
 	broken  atomic.Bool // the connection cannot carry the end message
@@ -446,6 +467,8 @@ func (s *socketServerStream) cancelRecv(ctx context.Context) func() bool {
 		_ = s.conn.SetReadDeadline(time.Unix(1, 0))
 	})
 }
+
+func (s *socketServerStream) lendPayloads() { s.lend = true }
 
 var _ meshnodev1.StageService_ForwardServer = (*socketServerStream)(nil)
 
@@ -493,7 +516,13 @@ func (s *socketServerStream) RecvMsg(m any) error {
 	}
 	switch kind {
 	case socketFrame:
-		if err := proto.Unmarshal(body, m.(proto.Message)); err != nil {
+		var err error
+		if f, ok := m.(*meshnodev1.Frame); ok && s.lend {
+			err = wire.UnmarshalLent(body, f, &s.mbuf)
+		} else {
+			err = proto.Unmarshal(body, m.(proto.Message))
+		}
+		if err != nil {
 			s.rerr = status.Errorf(codes.Internal, "stage stream: decoding a frame: %v", err)
 			return s.rerr
 		}

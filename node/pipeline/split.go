@@ -59,13 +59,17 @@ func splitFrames(step uint64, b *stage.Batch, dtype stage.DType, maxFrame int) (
 
 // joiner gathers the parts of a split step. It bounds what a peer can make
 // it hold by the decoding limits: no more rows or payload bytes in all the
-// parts together than one frame could carry.
+// parts together than one frame could carry. It copies each part's hidden
+// states as the part comes in, since a frame's payload may be lent by its
+// stream only until the next frame is read (payloadLender).
 type joiner struct {
 	lim   wire.Limits
 	step  uint64
-	parts []*stage.Batch
+	parts []*stage.Batch // without their hidden states, which are in data
+	dtype stage.DType
+	cols  int
+	data  []byte
 	rows  int
-	bytes int
 }
 
 // pending reports whether a split step is waiting for more parts.
@@ -79,48 +83,47 @@ func (j *joiner) add(step uint64, b *stage.Batch, more bool) (*stage.Batch, erro
 		return b, nil
 	}
 	if j.pending() {
-		first := j.parts[0].Hidden
 		switch {
 		case step != j.step:
 			return nil, fmt.Errorf("%w: step %d arrived while step %d was still being joined", wire.ErrBadFrame, step, j.step)
-		case b.Hidden.DType != first.DType || b.Hidden.Cols != first.Cols:
-			return nil, fmt.Errorf("%w: step %d part is %s with %d cols, earlier parts %s with %d", wire.ErrBadFrame, step, b.Hidden.DType, b.Hidden.Cols, first.DType, first.Cols)
+		case b.Hidden.DType != j.dtype || b.Hidden.Cols != j.cols:
+			return nil, fmt.Errorf("%w: step %d part is %s with %d cols, earlier parts %s with %d", wire.ErrBadFrame, step, b.Hidden.DType, b.Hidden.Cols, j.dtype, j.cols)
 		}
 	}
-	j.step = step
+	j.step, j.dtype, j.cols = step, b.Hidden.DType, b.Hidden.Cols
 	j.rows += b.Rows()
-	j.bytes += len(b.Hidden.Data)
-	if j.rows > j.lim.MaxRows || j.bytes > j.lim.MaxPayload {
-		return nil, fmt.Errorf("%w: step %d parts add up to %d rows, %d bytes, over the limits of %d, %d", wire.ErrBadFrame, step, j.rows, j.bytes, j.lim.MaxRows, j.lim.MaxPayload)
+	if j.rows > j.lim.MaxRows || len(j.data)+len(b.Hidden.Data) > j.lim.MaxPayload {
+		return nil, fmt.Errorf("%w: step %d parts add up to %d rows, %d bytes, over the limits of %d, %d", wire.ErrBadFrame, step, j.rows, len(j.data)+len(b.Hidden.Data), j.lim.MaxRows, j.lim.MaxPayload)
 	}
-	j.parts = append(j.parts, b)
+	j.data = append(j.data, b.Hidden.Data...)
+	part := *b
+	part.Hidden = nil
+	j.parts = append(j.parts, &part)
 	if more {
 		return nil, nil
 	}
-	whole := joinBatches(j.parts, j.rows, j.bytes)
+	whole := j.join()
 	*j = joiner{lim: j.lim}
 	return whole, nil
 }
 
-func joinBatches(parts []*stage.Batch, rows, bytes int) *stage.Batch {
-	first := parts[0].Hidden
+func (j *joiner) join() *stage.Batch {
 	b := &stage.Batch{
-		Seqs:   make([]stage.SeqID, 0, rows),
-		Pos:    make([]int32, 0, rows),
-		Hidden: &stage.Activation{DType: first.DType, Rows: rows, Cols: first.Cols, Data: make([]byte, 0, bytes)},
+		Seqs:   make([]stage.SeqID, 0, j.rows),
+		Pos:    make([]int32, 0, j.rows),
+		Hidden: &stage.Activation{DType: j.dtype, Rows: j.rows, Cols: j.cols, Data: j.data},
 	}
 	withTokens := true
-	for _, p := range parts {
+	for _, p := range j.parts {
 		withTokens = withTokens && len(p.Tokens) == p.Rows()
 	}
 	off := 0
-	for _, p := range parts {
+	for _, p := range j.parts {
 		b.Seqs = append(b.Seqs, p.Seqs...)
 		b.Pos = append(b.Pos, p.Pos...)
 		if withTokens {
 			b.Tokens = append(b.Tokens, p.Tokens...)
 		}
-		b.Hidden.Data = append(b.Hidden.Data, p.Hidden.Data...)
 		for _, o := range p.Outputs {
 			b.Outputs = append(b.Outputs, o+off)
 		}

@@ -114,7 +114,8 @@ func TestFuzzCorpus(t *testing.T) {
 
 // FuzzDecodeFrame feeds arbitrary bytes through proto.Unmarshal and every
 // decoder: none may panic, every failure must wrap ErrBadFrame, and every
-// success must be internally consistent and survive a re-encode.
+// success must be internally consistent and survive a re-encode. The
+// out-of-line codec must read every input as proto does.
 func FuzzDecodeFrame(f *testing.F) {
 	for _, data := range fuzzSeeds(f) {
 		f.Add(data)
@@ -122,7 +123,9 @@ func FuzzDecodeFrame(f *testing.F) {
 	small := Limits{MaxRows: 8, MaxCols: 8, MaxVocab: 64, MaxPayload: 256}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		var fr meshnodev1.Frame
-		if proto.Unmarshal(data, &fr) != nil {
+		perr := proto.Unmarshal(data, &fr)
+		checkOutOfLine(t, data, &fr, perr)
+		if perr != nil {
 			return
 		}
 		for _, lim := range []Limits{{}, small} {

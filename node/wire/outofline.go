@@ -1,0 +1,138 @@
+package wire
+
+import (
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+
+	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
+)
+
+// An activations frame's payload out of line: a transport that owns its
+// framing (node/pipeline's socket streams) writes the encoding of a frame
+// up to its payload, then the payload straight from the batch, and reads
+// the payload back as a slice of its read buffer. On a hop of eight rows
+// of an 8B model that spares two copies of 128 KiB and a 128 KiB
+// allocation a step, for bytes that are proto's own encoding of the frame,
+// which any decoder reads.
+
+// Field numbers of the frame's activations body and of its payload.
+const (
+	activationsField protowire.Number = 10
+	payloadField     protowire.Number = 6
+)
+
+var (
+	frameActivations   = (&meshnodev1.Frame{}).ProtoReflect().Descriptor().Fields().ByNumber(activationsField)
+	activationsPayload = (&meshnodev1.Activations{}).ProtoReflect().Descriptor().Fields().ByNumber(payloadField)
+)
+
+// AppendHead appends to dst the encoding of f but for its activations
+// payload, which it returns: the bytes appended and then the payload are
+// an encoding of f (the payload is its last field). A frame without a
+// payload is appended whole, and the payload is nil.
+func AppendHead(dst []byte, f *meshnodev1.Frame) (head, payload []byte, err error) {
+	a := f.GetActivations()
+	if len(a.GetPayload()) == 0 {
+		head, err = proto.MarshalOptions{}.MarshalAppend(dst, f)
+		return head, nil, err
+	}
+	payload = a.GetPayload()
+	// Shallow copies without the body, and the body without its payload:
+	// their fields share f's memory, and f is not changed.
+	rest, body := &meshnodev1.Frame{}, &meshnodev1.Activations{}
+	copyFieldsExcept(rest.ProtoReflect(), f.ProtoReflect(), frameActivations)
+	copyFieldsExcept(body.ProtoReflect(), a.ProtoReflect(), activationsPayload)
+	o := proto.MarshalOptions{UseCachedSize: true}
+	if head, err = o.MarshalAppend(dst, rest); err != nil {
+		return nil, nil, err
+	}
+	n := proto.Size(body)
+	head = protowire.AppendTag(head, activationsField, protowire.BytesType)
+	head = protowire.AppendVarint(head, uint64(n+protowire.SizeTag(payloadField)+protowire.SizeBytes(len(payload))))
+	if head, err = o.MarshalAppend(head, body); err != nil {
+		return nil, nil, err
+	}
+	head = protowire.AppendTag(head, payloadField, protowire.BytesType)
+	head = protowire.AppendVarint(head, uint64(len(payload)))
+	return head, payload, nil
+}
+
+func copyFieldsExcept(dst, src protoreflect.Message, skip protoreflect.FieldDescriptor) {
+	src.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		if fd != skip {
+			dst.Set(fd, v)
+		}
+		return true
+	})
+	if u := src.GetUnknown(); len(u) > 0 {
+		dst.SetUnknown(u)
+	}
+}
+
+// UnmarshalLent decodes data into f as proto.Unmarshal does, except that
+// an activations payload is not copied: f's payload is a slice of data,
+// valid as long as data is. scratch holds the rest of the frame while it
+// is decoded, and is reused from call to call. Only data that proto's own
+// rules would read as one activations body with one payload field is
+// decoded this way; anything else (a body given twice, another body after
+// it) goes to proto.Unmarshal as it is.
+func UnmarshalLent(data []byte, f *meshnodev1.Frame, scratch *[]byte) error {
+	actStart, actEnd, inner, ok := findField(data, activationsField)
+	if !ok {
+		return proto.Unmarshal(data, f)
+	}
+	payStart, payEnd, payload, ok := findField(inner, payloadField)
+	if !ok {
+		return proto.Unmarshal(data, f)
+	}
+	m := append((*scratch)[:0], data[:actStart]...)
+	m = protowire.AppendTag(m, activationsField, protowire.BytesType)
+	m = protowire.AppendVarint(m, uint64(len(inner)-(payEnd-payStart)))
+	m = append(m, inner[:payStart]...)
+	m = append(m, inner[payEnd:]...)
+	m = append(m, data[actEnd:]...)
+	*scratch = m
+	if err := proto.Unmarshal(m, f); err != nil {
+		return err
+	}
+	if len(payload) > 0 {
+		// Full slice expression: an append to the payload must not write
+		// over what follows it in data.
+		f.GetActivations().Payload = payload[:len(payload):len(payload)]
+	}
+	return nil
+}
+
+// findField finds the one occurrence of field num in the message encoded
+// by data: where its bytes start and end in data, and its value. ok is
+// false unless data is a sequence of well-formed fields in which num
+// occurs exactly once, as a length-delimited field, with no other member
+// of Frame's body oneof (numbers 10 to 15) besides it at the top level:
+// the cases where cutting the field out and putting its value back after
+// decoding the rest means what decoding the whole would.
+func findField(data []byte, num protowire.Number) (start, end int, value []byte, ok bool) {
+	found := false
+	for off := 0; off < len(data); {
+		n, typ, tn := protowire.ConsumeTag(data[off:])
+		if tn < 0 {
+			return 0, 0, nil, false
+		}
+		vn := protowire.ConsumeFieldValue(n, typ, data[off+tn:])
+		if vn < 0 {
+			return 0, 0, nil, false
+		}
+		switch {
+		case n == num:
+			if found || typ != protowire.BytesType {
+				return 0, 0, nil, false
+			}
+			v, _ := protowire.ConsumeBytes(data[off+tn:])
+			found, start, end, value = true, off, off+tn+vn, v
+		case num == activationsField && n > activationsField && n <= 15:
+			return 0, 0, nil, false
+		}
+		off += tn + vn
+	}
+	return start, end, value, found
+}
