@@ -15,16 +15,23 @@ import (
 
 var threeStages = []int{0, 2, 4, 5}
 
-// longSeqs' prefill is 65 rows, 16 KiB of f32 activations: socket streams
-// write it out of line and lend it to the stage that reads it.
+// longSeqs' prefill is 170 rows, 42.5 KiB of f32 activations: socket
+// streams write it out of line (outOfLineBytes) and lend it to the stage
+// that reads it.
 var longSeqs = scenario{
-	seqs: []stage.SeqID{1, 2},
-	prompts: [][]int32{
-		{1, 403, 407, 261, 378, 300, 58, 12, 99, 250, 310, 77, 45, 460, 333, 201, 18, 97, 140, 222,
-			380, 411, 27, 66, 305, 128, 256, 90, 180, 270, 360, 450, 35, 70, 105, 140, 175, 210, 245, 280},
-		{1, 334, 280, 428, 51, 152, 253, 354, 455, 56, 157, 258, 359, 460, 61, 162, 263, 364, 465, 66, 167, 268, 369, 470, 71},
-	},
-	steps: 8,
+	seqs:    []stage.SeqID{1, 2},
+	prompts: [][]int32{storyTokens(110, 3), storyTokens(60, 11)},
+	steps:   8,
+}
+
+// storyTokens is a prompt of n token ids of stories260K's vocabulary, BOS
+// first, spread over it by a stride.
+func storyTokens(n, stride int) []int32 {
+	p := []int32{1}
+	for i := 1; i < n; i++ {
+		p = append(p, int32(3+(i*stride*37)%500))
+	}
+	return p
 }
 
 func TestGreedyMatchesSingleEngine(t *testing.T) {
@@ -47,10 +54,10 @@ func TestGreedyMatchesSingleEngine(t *testing.T) {
 		{name: "sockets", dtype: stage.F32, logits: true, socket: true},
 		{name: "sockets f16 split", dtype: stage.F16, socket: true, so: []stageOpts{{}, {maxFrame: 1 << 10}, {maxFrame: 1 << 10}}},
 		{name: "sockets long", dtype: stage.F32, logits: true, socket: true, sc: &longSeqs},
-		// Parts of 23 rows, each written out of line and lent until the
+		// A part of about 140 rows written out of line, lent until the
 		// next is read: the joiner must have copied it by then.
 		{name: "sockets long split", dtype: stage.F32, logits: true, socket: true, sc: &longSeqs,
-			so: []stageOpts{{}, {maxFrame: 6 << 10}, {maxFrame: 6 << 10}}},
+			so: []stageOpts{{}, {maxFrame: 36 << 10}, {maxFrame: 36 << 10}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			sc := tc.sc

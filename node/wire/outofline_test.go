@@ -7,6 +7,7 @@ import (
 
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
 	"github.com/meshnode/meshnode/stage"
@@ -79,6 +80,9 @@ func TestOutOfLine(t *testing.T) {
 			if !proto.Equal(&lent, tc.f) {
 				t.Fatalf("UnmarshalLent reads %v, want %v", &lent, tc.f)
 			}
+			if p := lent.GetActivations().GetPayload(); tc.outside && uintptr(unsafe.Pointer(unsafe.SliceData(p)))%4 != 0 {
+				t.Fatal("the lent payload is not aligned for float32s")
+			}
 			if p := lent.GetActivations().GetPayload(); tc.outside {
 				start := uintptr(unsafe.Pointer(unsafe.SliceData(data)))
 				at := uintptr(unsafe.Pointer(unsafe.SliceData(p)))
@@ -90,6 +94,113 @@ func TestOutOfLine(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestUnmarshalLentAligns: wherever the encoding lies in memory, the lent
+// payload lands at a multiple of 16 bytes, or at least of 4, with its
+// bytes intact.
+func TestUnmarshalLentAligns(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 3))
+	b := testBatch(t, 2, 64, stage.F32, randFloats(r, 2*64))
+	f, err := EncodeBatch(9, b, stage.F32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc, err := proto.Marshal(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	at16 := 0
+	for off := range 16 {
+		buf := make([]byte, off+len(enc))
+		data := buf[off:]
+		copy(data, enc)
+		var lent meshnodev1.Frame
+		var scratch []byte
+		if err := UnmarshalLent(data, &lent, &scratch); err != nil {
+			t.Fatal(err)
+		}
+		if !proto.Equal(&lent, f) {
+			t.Fatalf("offset %d: the lent frame differs", off)
+		}
+		p := lent.GetActivations().GetPayload()
+		addr := uintptr(unsafe.Pointer(unsafe.SliceData(p)))
+		if addr%4 != 0 {
+			t.Fatalf("offset %d: payload at %#x", off, addr)
+		}
+		if addr%16 == 0 {
+			at16++
+		}
+		got, err := (&stage.Activation{DType: stage.F32, Rows: 2, Cols: 64, Data: p}).Float32Shared()
+		if err != nil || unsafe.SliceData(got) != (*float32)(unsafe.Pointer(unsafe.SliceData(p))) {
+			t.Fatalf("offset %d: the payload is not read in place (%v)", off, err)
+		}
+	}
+	if at16 == 0 {
+		t.Error("no payload landed at a multiple of 16")
+	}
+}
+
+// TestAppendHeadKeepsEveryField sets every field of a frame and of its
+// activations, and checks that the out-of-line encoding keeps them all:
+// AppendHead copies fields one by one, and a field added to the messages
+// must be added there too.
+func TestAppendHeadKeepsEveryField(t *testing.T) {
+	a := &meshnodev1.Activations{}
+	fill(t, a.ProtoReflect(), func(protoreflect.FieldDescriptor) bool { return true })
+	if len(a.GetPayload()) == 0 {
+		t.Fatal("no payload set")
+	}
+	f := &meshnodev1.Frame{}
+	fill(t, f.ProtoReflect(), func(fd protoreflect.FieldDescriptor) bool { return fd.ContainingOneof() == nil })
+	f.Body = &meshnodev1.Frame_Activations{Activations: a}
+	head, payload, err := AppendHead(nil, f)
+	if err != nil || payload == nil {
+		t.Fatalf("AppendHead: payload %d bytes, %v", len(payload), err)
+	}
+	var back meshnodev1.Frame
+	if err := proto.Unmarshal(append(head, payload...), &back); err != nil {
+		t.Fatal(err)
+	}
+	if !proto.Equal(&back, f) {
+		t.Fatalf("out of line %v, want %v", &back, f)
+	}
+}
+
+// fill gives every field of m that want takes a value other than its zero.
+func fill(t *testing.T, m protoreflect.Message, want func(protoreflect.FieldDescriptor) bool) {
+	t.Helper()
+	fields := m.Descriptor().Fields()
+	for i := range fields.Len() {
+		fd := fields.Get(i)
+		if !want(fd) {
+			continue
+		}
+		var v protoreflect.Value
+		switch fd.Kind() {
+		case protoreflect.BoolKind:
+			v = protoreflect.ValueOfBool(true)
+		case protoreflect.Int32Kind:
+			v = protoreflect.ValueOfInt32(-3)
+		case protoreflect.Uint32Kind:
+			v = protoreflect.ValueOfUint32(5)
+		case protoreflect.Uint64Kind:
+			v = protoreflect.ValueOfUint64(1 << 40)
+		case protoreflect.EnumKind:
+			v = protoreflect.ValueOfEnum(1)
+		case protoreflect.BytesKind:
+			v = protoreflect.ValueOfBytes(make([]byte, 64))
+		default:
+			t.Fatalf("field %s: fill knows no %s", fd.FullName(), fd.Kind())
+		}
+		if fd.IsList() {
+			l := m.NewField(fd).List()
+			l.Append(v)
+			l.Append(v)
+			v = protoreflect.ValueOfList(l)
+		}
+		m.Set(fd, v)
 	}
 }
 
@@ -151,7 +262,7 @@ func checkOutOfLine(t *testing.T, data []byte, fr *meshnodev1.Frame, perr error)
 	t.Helper()
 	var lent meshnodev1.Frame
 	var scratch []byte
-	err := UnmarshalLent(data, &lent, &scratch)
+	err := UnmarshalLent(append([]byte(nil), data...), &lent, &scratch) // it moves the payload
 	if (err == nil) != (perr == nil) {
 		t.Fatalf("UnmarshalLent: %v; proto.Unmarshal: %v", err, perr)
 	}
