@@ -534,13 +534,14 @@ func (l *link) run(step uint64, b *stage.Batch) error {
 		}
 		return l.stepFailed(step, err)
 	}
+	// The engine may lend its output (Output.Free) until this step is
+	// done with it.
+	defer out.Release()
 	if !l.last {
-		// The engine may lend its hidden states (Output.Free). A direct
-		// send is done with them when it returns; frames queued for
-		// the sender goroutine, and gRPC, which may read a message
-		// after Send, get a copy of their own, unless converting to
-		// the wire's dtype makes one anyway.
-		defer out.Release()
+		// A direct send is done with the hidden states when it returns;
+		// frames queued for the sender goroutine, and gRPC, which may
+		// read a message after Send, get a copy of their own, unless
+		// converting to the wire's dtype makes one anyway.
 		hidden := out.Hidden
 		if out.Free != nil && !l.direct() && hidden != nil && hidden.DType == l.wireDType {
 			hidden = &stage.Activation{DType: hidden.DType, Rows: hidden.Rows, Cols: hidden.Cols, Data: slices.Clone(hidden.Data)}
@@ -580,7 +581,6 @@ func (l *link) greedy(b *stage.Batch) bool {
 // (or takes the engine's greedy picks) and sends the tokens (and, if
 // asked, the logits) to the origin.
 func (l *link) sample(step uint64, b *stage.Batch, out *stage.Output) error {
-	defer out.Release()
 	for r, q := range b.Seqs {
 		l.seqs[q].record(b.Pos[r], b.Tokens[r])
 	}

@@ -92,8 +92,8 @@ func (j *joiner) add(step uint64, b *stage.Batch, more bool) (*stage.Batch, erro
 	}
 	j.step, j.dtype, j.cols = step, b.Hidden.DType, b.Hidden.Cols
 	j.rows += b.Rows()
-	if j.rows > j.lim.MaxRows || len(j.data)+len(b.Hidden.Data) > j.lim.MaxPayload {
-		return nil, fmt.Errorf("%w: step %d parts add up to %d rows, %d bytes, over the limits of %d, %d", wire.ErrBadFrame, step, j.rows, len(j.data)+len(b.Hidden.Data), j.lim.MaxRows, j.lim.MaxPayload)
+	if bytes := len(j.data) + len(b.Hidden.Data); j.rows > j.lim.MaxRows || bytes > j.lim.MaxPayload {
+		return nil, fmt.Errorf("%w: step %d parts add up to %d rows, %d bytes, over the limits of %d, %d", wire.ErrBadFrame, step, j.rows, bytes, j.lim.MaxRows, j.lim.MaxPayload)
 	}
 	j.data = append(j.data, b.Hidden.Data...)
 	part := *b

@@ -23,6 +23,9 @@ const (
 	payloadField     protowire.Number = 6
 )
 
+// frameBodies are the members of Frame's body oneof.
+var frameBodies = (&meshnodev1.Frame{}).ProtoReflect().Descriptor().Oneofs().ByName("body").Fields()
+
 // AppendHead appends to dst the encoding of f but for its activations
 // payload, which it returns: the bytes appended and then the payload are
 // an encoding of f (the payload is its last field). A frame without a
@@ -50,14 +53,14 @@ func AppendHead(dst []byte, f *meshnodev1.Frame) (head, payload []byte, err erro
 	if u := a.ProtoReflect().GetUnknown(); len(u) > 0 {
 		body.ProtoReflect().SetUnknown(u)
 	}
-	o := proto.MarshalOptions{UseCachedSize: true}
-	if head, err = o.MarshalAppend(dst, rest); err != nil {
+	if head, err = (proto.MarshalOptions{}).MarshalAppend(dst, rest); err != nil {
 		return nil, nil, err
 	}
 	n := proto.Size(body)
 	head = protowire.AppendTag(head, activationsField, protowire.BytesType)
 	head = protowire.AppendVarint(head, uint64(n+protowire.SizeTag(payloadField)+protowire.SizeBytes(len(payload))))
-	if head, err = o.MarshalAppend(head, body); err != nil {
+	// The size just taken is the body's to reuse.
+	if head, err = (proto.MarshalOptions{UseCachedSize: true}).MarshalAppend(head, body); err != nil {
 		return nil, nil, err
 	}
 	head = protowire.AppendTag(head, payloadField, protowire.BytesType)
@@ -71,10 +74,10 @@ func AppendHead(dst []byte, f *meshnodev1.Frame) (head, payload []byte, err erro
 // bytes before it (which decoding has done with) to an address that is a
 // multiple of 16, or failing that of 4, so that f32 hidden states can be
 // read in place (stage.Activation.Float32Shared). scratch holds the rest
-// of the frame while it is decoded, and is reused from call to call. Only data that proto's own
-// rules would read as one activations body with one payload field is
-// decoded this way; anything else (a body given twice, another body after
-// it) goes to proto.Unmarshal as it is.
+// of the frame while it is decoded, and is reused from call to call. Only
+// data that proto's own rules would read as one activations body with one
+// payload field is decoded this way; anything else (a body given twice,
+// another body beside it) goes to proto.Unmarshal as it is.
 func UnmarshalLent(data []byte, f *meshnodev1.Frame, scratch *[]byte) error {
 	actStart, actEnd, inner, ok := findField(data, activationsField)
 	if !ok {
@@ -84,7 +87,6 @@ func UnmarshalLent(data []byte, f *meshnodev1.Frame, scratch *[]byte) error {
 	if !ok {
 		return proto.Unmarshal(data, f)
 	}
-
 	m := append((*scratch)[:0], data[:actStart]...)
 	m = protowire.AppendTag(m, activationsField, protowire.BytesType)
 	m = protowire.AppendVarint(m, uint64(len(inner)-(payEnd-payStart)))
@@ -118,8 +120,8 @@ func UnmarshalLent(data []byte, f *meshnodev1.Frame, scratch *[]byte) error {
 // findField finds the one occurrence of field num in the message encoded
 // by data: where its bytes start and end in data, and its value. ok is
 // false unless data is a sequence of well-formed fields in which num
-// occurs exactly once, as a length-delimited field, with no other member
-// of Frame's body oneof (numbers 10 to 15) besides it at the top level:
+// occurs exactly once, as a length-delimited field, and, when num is the
+// activations body, with no other member of Frame's body oneof beside it:
 // the cases where cutting the field out and putting its value back after
 // decoding the rest means what decoding the whole would.
 func findField(data []byte, num protowire.Number) (start, end int, value []byte, ok bool) {
@@ -140,7 +142,7 @@ func findField(data []byte, num protowire.Number) (start, end int, value []byte,
 			}
 			v, _ := protowire.ConsumeBytes(data[off+tn:])
 			found, start, end, value = true, off, off+tn+vn, v
-		case num == activationsField && n > activationsField && n <= 15:
+		case num == activationsField && frameBodies.ByNumber(n) != nil:
 			return 0, 0, nil, false
 		}
 		off += tn + vn
