@@ -9,6 +9,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/meshnode/meshnode/ggufstage"
@@ -47,6 +48,9 @@ type Row struct {
 // runner is the common surface of the two engines.
 type runner interface {
 	forward(b *stage.Batch) ([]float32, error)
+	// picks runs b, whose every output row is sampled greedily, and returns
+	// each output row's pick.
+	picks(b *stage.Batch) ([]int32, error)
 	open(seq stage.SeqID) error
 	release(seq stage.SeqID) error
 	vocab() int
@@ -62,6 +66,33 @@ func (r meshRunner) forward(b *stage.Batch) ([]float32, error) {
 	}
 	return out.Logits, nil
 }
+
+// picks asks the engine for greedy picks, as serve's last stage does for
+// greedy requests (stage.Batch.PicksOnly): a GPU engine then takes each
+// row's argmax on the device, where host sampling of a 128K vocabulary
+// costs about 0.1 ms a row.
+func (r meshRunner) picks(b *stage.Batch) ([]int32, error) {
+	b.PicksOnly = true
+	out, err := r.e.Forward(context.Background(), b)
+	if err != nil {
+		return nil, err
+	}
+	defer out.Release()
+	if out.Picks != nil {
+		return out.Picks, stage.CheckPicks(out.Picks, b, r.e.Info().Vocab)
+	}
+	return greedyRows(out.Logits, r.e.Info().Vocab), nil
+}
+
+// greedyRows is each row's greedy pick.
+func greedyRows(logits []float32, vocab int) []int32 {
+	picks := make([]int32, len(logits)/vocab)
+	for i := range picks {
+		picks[i] = stage.GreedyPick(logits[i*vocab : (i+1)*vocab])
+	}
+	return picks
+}
+
 func (r meshRunner) open(s stage.SeqID) error    { return r.e.Open(s) }
 func (r meshRunner) release(s stage.SeqID) error { return r.e.Release(s) }
 func (r meshRunner) vocab() int                  { return r.e.Info().Vocab }
@@ -70,10 +101,17 @@ func (r meshRunner) close()                      { r.e.Close() }
 type stockRunner struct{ s *ggufstage.Stock }
 
 func (r stockRunner) forward(b *stage.Batch) ([]float32, error) { return r.s.Forward(b) }
-func (r stockRunner) open(stage.SeqID) error                    { return nil }
-func (r stockRunner) release(s stage.SeqID) error               { return r.s.Release(s) }
-func (r stockRunner) vocab() int                                { return r.s.Vocab() }
-func (r stockRunner) close()                                    { r.s.Close() }
+func (r stockRunner) picks(b *stage.Batch) ([]int32, error) {
+	logits, err := r.s.Forward(b)
+	if err != nil {
+		return nil, err
+	}
+	return greedyRows(logits, r.s.Vocab()), nil
+}
+func (r stockRunner) open(stage.SeqID) error      { return nil }
+func (r stockRunner) release(s stage.SeqID) error { return r.s.Release(s) }
+func (r stockRunner) vocab() int                  { return r.s.Vocab() }
+func (r stockRunner) close()                      { r.s.Close() }
 
 func (c *Config) defaults() {
 	if c.PromptTokens <= 0 {
@@ -109,21 +147,31 @@ func Run(ctx context.Context, cfg Config, log io.Writer) ([]Row, error) {
 	}
 	fmt.Fprintf(log, "model %s: %s, %d layers, n_embd %d, vocab %d, %s\n", cfg.Model, info.Arch, info.Layers, info.Embd, info.Vocab, info.FileType)
 
+	perLayer, _, head, _ := info.Sizes()
+	step := head // the bytes of weights a one-stream decode step reads
+	for _, b := range perLayer {
+		step += b
+	}
+	// A GPU's bandwidth is measured before the engine loads, while the
+	// device is idle (ggufstage.DeviceBandwidth).
+	gpuBW, gpuWhy := gpuBandwidth(cfg)
 	eng, err := ggufstage.Open(cfg.Model, 0, info.Layers, opts)
 	if err != nil {
 		return nil, err
 	}
 	var floor float64
-	if eng.Info().Backend == "CPU" {
-		perLayer, _, head, _ := info.Sizes()
-		step := head
-		for _, b := range perLayer {
-			step += b
-		}
+	switch backend := eng.Info().Backend; {
+	case backend == "CPU":
 		bw := ggufstage.ReadBandwidth(cfg.Threads, 1<<30)
 		floor = bw / float64(step)
 		fmt.Fprintf(log, "memory read bandwidth, threads as the engines: %.1f GB/s; a decode step reads %.2f GB of weights: floor %.1f tok/s at 1 stream\n",
 			bw/1e9, float64(step)/1e9, floor)
+	case gpuBW > 0:
+		floor = gpuBW / float64(step)
+		fmt.Fprintf(log, "%s memory bandwidth (ggml copying 256 MiB on the device, bytes read and written): %.1f GB/s; a decode step reads %.2f GB of weights: floor %.1f tok/s at 1 stream\n",
+			backend, gpuBW/1e9, float64(step)/1e9, floor)
+	default:
+		fmt.Fprintf(log, "%s memory bandwidth not measured (%s): no floor\n", backend, gpuWhy)
 	}
 	if cfg.LlamaCpp != "" && eng.Info().Backend != "CPU" {
 		fmt.Fprintf(log, "llama.cpp: not measured; its reference build runs on the CPU and meshnode's engine on %s\n", eng.Info().Backend)
@@ -277,13 +325,14 @@ func measure(r runner, cfg Config, n int, seed uint64) (prefill, decode float64,
 			b.Tokens = append(b.Tokens, last[i])
 			b.Outputs = append(b.Outputs, i)
 		}
-		logits, err := r.forward(&b)
+		picks, err := r.picks(&b)
 		if err != nil {
 			return 0, 0, err
 		}
-		for i := range seqs {
-			last[i] = stage.GreedyPick(logits[i*vocab : (i+1)*vocab])
+		if len(picks) != len(seqs) {
+			return 0, 0, fmt.Errorf("decode step %d: %d picks for %d sequences", step, len(picks), len(seqs))
 		}
+		copy(last, picks)
 	}
 	decode = float64(n*cfg.DecodeTokens) / time.Since(start).Seconds()
 	return prefill, decode, nil
@@ -325,4 +374,26 @@ func Print(w io.Writer, rows []Row) {
 		}
 		fmt.Fprintf(w, " %12s\n", fr)
 	}
+}
+
+// gpuBandwidth measures the memory bandwidth of the GPU that cfg's engine
+// will run on, or says why it cannot: 0 and a reason on the CPU too.
+func gpuBandwidth(cfg Config) (float64, string) {
+	if strings.EqualFold(cfg.Device, "cpu") {
+		return 0, "the CPU"
+	}
+	devs, err := ggufstage.Devices(cfg.Model)
+	if err != nil {
+		return 0, err.Error()
+	}
+	for _, d := range devs {
+		if cfg.Device == "" || strings.EqualFold(cfg.Device, "auto") || strings.EqualFold(cfg.Device, d.Library) {
+			bw, err := ggufstage.DeviceBandwidth(d)
+			if err != nil {
+				return 0, err.Error()
+			}
+			return bw, ""
+		}
+	}
+	return 0, "no GPU"
 }
