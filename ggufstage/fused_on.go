@@ -5,6 +5,7 @@ package ggufstage
 /*
 #cgo LDFLAGS: -ldl
 #include <dlfcn.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -16,12 +17,16 @@ typedef int (*meshnode_mf_max_rows_fn)(const mf_engine *);
 typedef void (*meshnode_mf_destroy_fn)(mf_engine *);
 typedef float *(*meshnode_mf_host_alloc_fn)(size_t);
 typedef void (*meshnode_mf_host_free_fn)(float *);
+typedef void *(*meshnode_mf_device_copy_fn)(const void *, const void *, size_t, char *, int);
+typedef void (*meshnode_mf_device_free_fn)(void *);
 static meshnode_mf_create_fn meshnode_mf_create;
 static meshnode_mf_step_rows_picks_fn meshnode_mf_step_rows_picks;
 static meshnode_mf_max_rows_fn meshnode_mf_max_rows;
 static meshnode_mf_destroy_fn meshnode_mf_destroy;
 static meshnode_mf_host_alloc_fn meshnode_mf_host_alloc;
 static meshnode_mf_host_free_fn meshnode_mf_host_free;
+static meshnode_mf_device_copy_fn meshnode_mf_device_copy; // NULL in a library built before it
+static meshnode_mf_device_free_fn meshnode_mf_device_free;
 
 // meshnode_mf_load opens the fused-path library: NULL, or why not.
 static const char *meshnode_mf_load(const char *path) {
@@ -33,6 +38,8 @@ static const char *meshnode_mf_load(const char *path) {
 	meshnode_mf_destroy = (meshnode_mf_destroy_fn) dlsym(h, "mf_destroy");
 	meshnode_mf_host_alloc = (meshnode_mf_host_alloc_fn) dlsym(h, "mf_host_alloc");
 	meshnode_mf_host_free = (meshnode_mf_host_free_fn) dlsym(h, "mf_host_free");
+	meshnode_mf_device_copy = (meshnode_mf_device_copy_fn) dlsym(h, "mf_device_copy");
+	meshnode_mf_device_free = (meshnode_mf_device_free_fn) dlsym(h, "mf_device_free");
 	if (!meshnode_mf_create || !meshnode_mf_step_rows_picks || !meshnode_mf_max_rows || !meshnode_mf_destroy || !meshnode_mf_host_alloc || !meshnode_mf_host_free)
 		return "the library lacks mf_create, mf_step_rows_picks, mf_max_rows, mf_destroy, mf_host_alloc or mf_host_free (built before meshnode's greedy picks?): rebuild it with deploy/gpu/build-cuda.sh";
 	return NULL;
@@ -46,6 +53,22 @@ static int meshnode_mf_max_rows_call(mf_engine *e) { return meshnode_mf_max_rows
 static void meshnode_mf_destroy_call(mf_engine *e) { meshnode_mf_destroy(e); }
 static float *meshnode_mf_host_alloc_call(size_t n) { return meshnode_mf_host_alloc(n); }
 static void meshnode_mf_host_free_call(float *p) { meshnode_mf_host_free(p); }
+
+// meshnode_embd_to_device copies host tensor t to the GPU that holds like;
+// NULL (with the reason in err where there is one) if it cannot.
+static void *meshnode_embd_to_device(void *t, const void *like, char *err, int n) {
+	struct ggml_tensor *x = (struct ggml_tensor *) t;
+	if (!meshnode_mf_device_copy || !meshnode_mf_device_free) {
+		snprintf(err, n, "the fused library predates mf_device_copy");
+		return NULL;
+	}
+	if (x == NULL || x->buffer == NULL || !ggml_backend_buffer_is_host(x->buffer) || !ggml_is_contiguous(x)) {
+		snprintf(err, n, "the embedding is not a contiguous host tensor");
+		return NULL;
+	}
+	return meshnode_mf_device_copy(like, x->data, ggml_nbytes(x), err, n);
+}
+static void meshnode_mf_device_free_call(void *p) { meshnode_mf_device_free(p); }
 
 // meshnode_embed_row dequantizes row token of a host tensor into out.
 static int meshnode_embed_row(void *t, int token, float *out) {
@@ -152,7 +175,14 @@ type cudaFused struct {
 	// hostEmbd is the token embedding where ggml keeps it in host memory
 	// (ollama places the input layer on the CPU): the first stage looks
 	// each token's row up here and hands the kernels hidden states.
+	// devEmbd is the GPU's copy of a host embedding, whose rows the first
+	// kernel then looks up: 4 to 7 µs a row on the host (an 8B model's
+	// Q4_0 rows), the bulk of a first stage's host work before a pass.
+	// Where the copy cannot be made (embdWhy says why) the host looks rows
+	// up; MESHNODE_FUSED_HOST_EMBD=1 keeps them there.
 	hostEmbd unsafe.Pointer
+	devEmbd  unsafe.Pointer
+	embdWhy  string
 	embd     []float32
 	// pinned holds the last stage's logits buffers, or another stage's
 	// hidden states, in pinned host memory that the GPU copies into
@@ -317,7 +347,15 @@ func (f *cudaFused) create() (ok bool, err error) {
 			return false, fmt.Errorf("no tensor token_embd.weight")
 		}
 		ct := pointerField(t, "t")
-		if p := C.meshnode_device_data(ct); p != nil {
+		p := C.meshnode_device_data(ct)
+		if p == nil && os.Getenv("MESHNODE_FUSED_HOST_EMBD") == "" {
+			if f.devEmbd = C.meshnode_embd_to_device(ct, ls[0].wq, f.errBuf, fusedErrLen); f.devEmbd != nil {
+				p = f.devEmbd
+			} else {
+				f.embdWhy = f.errText()
+			}
+		}
+		if p != nil {
 			cfg.embd_type, cfg.tok_embd = C.int(s.embdType), p
 		} else {
 			f.hostEmbd = ct
@@ -506,6 +544,10 @@ func (f *cudaFused) close() {
 		C.meshnode_mf_destroy_call(f.h)
 		computeMu.Unlock()
 		f.h = nil
+	}
+	if f.devEmbd != nil {
+		C.meshnode_mf_device_free_call(f.devEmbd)
+		f.devEmbd = nil
 	}
 	if f.layers != nil {
 		C.free(unsafe.Pointer(f.layers))

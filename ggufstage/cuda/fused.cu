@@ -2517,6 +2517,27 @@ extern "C" void mf_host_free(float *p) {
 	if (p) cudaFreeHost(p);
 }
 
+extern "C" void *mf_device_copy(const void *like, const void *host, size_t n, char *err, int errlen) {
+	cudaPointerAttributes pa;
+	cudaError_t ce = cudaPointerGetAttributes(&pa, like);
+	if (ce == cudaSuccess && pa.type != cudaMemoryTypeDevice) ce = cudaErrorInvalidDevicePointer;
+	if (ce == cudaSuccess) ce = cudaSetDevice(pa.device);
+	void *d = nullptr;
+	if (ce == cudaSuccess) ce = cudaMalloc(&d, n);
+	if (ce == cudaSuccess) ce = cudaMemcpy(d, host, n, cudaMemcpyHostToDevice);
+	if (ce != cudaSuccess) {
+		if (d) cudaFree(d);
+		cudaGetLastError();
+		errf(err, errlen, "copying %zu bytes to the GPU: %s", n, cudaGetErrorString(ce));
+		return nullptr;
+	}
+	return d;
+}
+
+extern "C" void mf_device_free(void *p) {
+	if (p) cudaFree(p);
+}
+
 extern "C" void mf_destroy(mf_engine *e) {
 	if (!e) return;
 	if (e->stream) cudaStreamSynchronize(e->stream);

@@ -92,6 +92,14 @@ int mf_max_rows(const mf_engine *e);
 float *mf_host_alloc(size_t n);
 void mf_host_free(float *p);
 
+// mf_device_copy copies n bytes of host memory to a new allocation on the
+// GPU that holds the device pointer like, and returns it; NULL, with the
+// reason in err, if it cannot. mf_device_free gives it back. A first stage
+// whose token embedding ggml keeps in host memory looks its rows up on the
+// GPU from such a copy (mf_config.tok_embd).
+void *mf_device_copy(const void *like, const void *host, size_t n, char *err, int errlen);
+void mf_device_free(void *p);
+
 void mf_destroy(mf_engine *e);
 
 #ifdef __cplusplus
