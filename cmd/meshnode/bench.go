@@ -20,7 +20,10 @@ ollama's stock engine, and for llama.cpp's own engine (llamacpp-ref, built
 by 'make llamacpp-ref' from the llama.cpp sources of the pinned ollama
 module with upstream's default CPU build) on the same file in the same run,
 and prints meshnode's ratio to each. Runs alternate between the engines;
-medians are reported.
+medians are reported. The decode/floor column is one-stream decode over the
+memory-bandwidth ceiling: the bandwidth (the CPU's with the engines'
+threads, or a GPU's from a copy on the device) over the weight bytes a
+decode step reads.
 
 With --mesh it measures the mesh instead: for each stage count of --stages
 it starts that many meshnode processes on this machine (serve --split, then
