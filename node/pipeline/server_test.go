@@ -285,6 +285,11 @@ func oversizedMessage(t *testing.T, sockets bool) {
 			t.Fatalf("return stream got %v, %v", f, err)
 		}
 	})
+	// The stage reports a bad peer once its stream has failed, which the
+	// client may see first: wait for both reports.
+	for deadline := time.Now().Add(10 * time.Second); len(last.badReports()) < 2 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
 	if len(last.badReports()) != 2 {
 		t.Fatalf("bad peer reports: %v", last.badReports())
 	}
