@@ -41,6 +41,14 @@ func devices(path string) (devs []ml.DeviceInfo, err error) {
 	return m.Backend().BackendDevices(), nil
 }
 
+// PickDevice is the GPU that Open places a stage of the model at path on
+// for Options.Device want, or nil for the CPU.
+func PickDevice(path, want string) (*ml.DeviceInfo, error) {
+	backendMu.Lock()
+	defer backendMu.Unlock()
+	return pickDevice(path, want)
+}
+
 // pickDevice resolves Options.Device to a GPU, or nil for the CPU. The
 // caller holds backendMu.
 func pickDevice(path, want string) (*ml.DeviceInfo, error) {

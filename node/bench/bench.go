@@ -9,7 +9,6 @@ import (
 	"io"
 	"math/rand/v2"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/meshnode/meshnode/ggufstage"
@@ -379,21 +378,16 @@ func Print(w io.Writer, rows []Row) {
 // gpuBandwidth measures the memory bandwidth of the GPU that cfg's engine
 // will run on, or says why it cannot: 0 and a reason on the CPU too.
 func gpuBandwidth(cfg Config) (float64, string) {
-	if strings.EqualFold(cfg.Device, "cpu") {
+	d, err := ggufstage.PickDevice(cfg.Model, cfg.Device)
+	switch {
+	case err != nil:
+		return 0, err.Error()
+	case d == nil:
 		return 0, "the CPU"
 	}
-	devs, err := ggufstage.Devices(cfg.Model)
+	bw, err := ggufstage.DeviceBandwidth(*d)
 	if err != nil {
 		return 0, err.Error()
 	}
-	for _, d := range devs {
-		if cfg.Device == "" || strings.EqualFold(cfg.Device, "auto") || strings.EqualFold(cfg.Device, d.Library) {
-			bw, err := ggufstage.DeviceBandwidth(d)
-			if err != nil {
-				return 0, err.Error()
-			}
-			return bw, ""
-		}
-	}
-	return 0, "no GPU"
+	return bw, ""
 }
