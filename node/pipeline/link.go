@@ -302,10 +302,7 @@ func (l *link) watch() {
 // the link's context has ended.
 func (l *link) next() (recvd, bool) {
 	if l.in == nil {
-		f, err := l.up.Recv()
-		if status.Code(err) == codes.ResourceExhausted {
-			l.s.badPeer(l.from, err)
-		}
+		f, err := l.s.recv(l.up, l.from)
 		if err != nil && l.ctx.Err() != nil {
 			return recvd{}, false
 		}

@@ -188,10 +188,7 @@ func (s *Server) receive(ctx context.Context, stream meshnodev1.StageService_For
 	go func() {
 		defer s.wg.Done()
 		for {
-			f, err := stream.Recv()
-			if status.Code(err) == codes.ResourceExhausted {
-				s.badPeer(from, err)
-			}
+			f, err := s.recv(stream, from)
 			select {
 			case ch <- recvd{f, err}:
 			case <-ctx.Done():
@@ -203,6 +200,16 @@ func (s *Server) receive(ctx context.Context, stream meshnodev1.StageService_For
 		}
 	}()
 	return ch
+}
+
+// recv receives a frame from stream, reporting the peer of a message over
+// the size limit, which ends the stream (see receive).
+func (s *Server) recv(stream meshnodev1.StageService_ForwardServer, from string) (*meshnodev1.Frame, error) {
+	f, err := stream.Recv()
+	if status.Code(err) == codes.ResourceExhausted {
+		s.badPeer(from, err)
+	}
+	return f, err
 }
 
 // Forward serves one stream of a pipeline: its first frame (a Setup) says
@@ -298,11 +305,10 @@ func (s *Server) recvSetup(ctx context.Context, stream meshnodev1.StageService_F
 	sctx, scancel := context.WithTimeout(ctx, s.cfg.SetupTimeout)
 	defer scancel()
 	stop := direct.cancelRecv(sctx)
-	f, err := stream.Recv()
+	f, err := s.recv(stream, from)
 	stopped := !stop()
 	if status.Code(err) == codes.ResourceExhausted {
 		// The stream itself ended, and told the peer why.
-		s.badPeer(from, err)
 		return recvd{f, err}, nil
 	}
 	if stopped {
