@@ -126,7 +126,7 @@ type Engine struct {
 	prep         sync.WaitGroup // allocAhead goroutines, waited for by Close
 	// Read buffers: a pass's logits or hidden states go to the caller and
 	// come back by Release (Output.Free).
-	logits floatPool
+	reads floatPool
 	// fused runs decode passes on CUDA (see fused.go); fusedWhy
 	// says why it does not, when it was wanted.
 	fused    fusedPath
@@ -413,7 +413,7 @@ var computeMu sync.Mutex
 type passTimes struct{ alloc, launch, wait time.Duration }
 
 // compute runs p's graph and reads its result back. While a GPU computes,
-// between runs on the host. The floats are a buffer from e.logits that
+// between runs on the host. The floats are a buffer from e.reads that
 // free returns, or (free nil) the caller's to keep.
 func (e *Engine) compute(p *pass, rows int, between func(), t *passTimes) (floats []float32, free func(), err error) {
 	computeMu.Lock()
@@ -448,11 +448,11 @@ func (e *Engine) compute(p *pass, rows int, between func(), t *passTimes) (float
 	var dst []float32
 	switch {
 	case p.last:
-		dst, free = e.logits.get(len(p.outputs) * e.info.Vocab)
+		dst, free = e.reads.get(len(p.outputs) * e.info.Vocab)
 	case !e.info.Last():
 		// Lent to the caller, who sends it on (a hop of sixteen rows
 		// of an 8B model is 256 KiB) and gives it back.
-		dst, free = e.logits.get(rows * e.info.Embd)
+		dst, free = e.reads.get(rows * e.info.Embd)
 	}
 	err = p.sg.read(p.out, dst)
 	t.wait = time.Since(start)

@@ -435,7 +435,7 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 			}
 		}
 		if dst == nil {
-			dst, free = e.logits.get(n * width)
+			dst, free = e.reads.get(n * width)
 		}
 	}
 	placed := 0
