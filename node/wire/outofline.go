@@ -17,14 +17,14 @@ import (
 // allocation a step, for bytes that are proto's own encoding of the frame,
 // which any decoder reads.
 
-// Field numbers of the frame's activations body and of its payload.
-const (
-	activationsField protowire.Number = 10
-	payloadField     protowire.Number = 6
+var (
+	// frameBodies are the members of Frame's body oneof.
+	frameBodies = (&meshnodev1.Frame{}).ProtoReflect().Descriptor().Oneofs().ByName("body").Fields()
+	// Field numbers of the frame's activations body and of its payload,
+	// from the descriptors, as frameBodies.
+	activationsField = frameBodies.ByName("activations").Number()
+	payloadField     = (&meshnodev1.Activations{}).ProtoReflect().Descriptor().Fields().ByName("payload").Number()
 )
-
-// frameBodies are the members of Frame's body oneof.
-var frameBodies = (&meshnodev1.Frame{}).ProtoReflect().Descriptor().Oneofs().ByName("body").Fields()
 
 // AppendHead appends to dst the encoding of f but for its activations
 // payload, which it returns: the bytes appended and then the payload are
