@@ -121,6 +121,9 @@ type instantEngine struct {
 	embd  int // 0: the engine's
 	picks bool
 	bufs  *zeroBufs
+	// compute, if set, is how long each pass spins before it answers, as
+	// a GPU stage's host thread spins while its kernels run.
+	compute time.Duration
 }
 
 // zeroBufs lends zeroed hidden-state buffers, as an engine's pool does.
@@ -154,6 +157,8 @@ func (e instantEngine) Info() stage.Info {
 }
 
 func (e instantEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output, error) {
+	for start := time.Now(); time.Since(start) < e.compute; {
+	}
 	info := e.Info()
 	if !info.Last() {
 		if e.bufs == nil {
@@ -187,9 +192,25 @@ func (e instantEngine) Forward(_ context.Context, b *stage.Batch) (*stage.Output
 // second's local socket (socket streams, as nodes of one machine use).
 // Greedy sampling, so the last stage returns picks.
 func BenchmarkWideStep(b *testing.B) {
-	for _, via := range []string{"tcp", "libp2p", "local"} {
-		for _, rows := range []int{1, 16} {
-			b.Run(fmt.Sprintf("%s/rows=%d", via, rows), func(b *testing.B) {
+	for _, tc := range []struct {
+		via     string
+		rows    int
+		compute time.Duration
+	}{
+		{via: "tcp", rows: 1}, {via: "tcp", rows: 16}, {via: "libp2p", rows: 1}, {via: "libp2p", rows: 16},
+		{via: "local", rows: 1}, {via: "local", rows: 16},
+		// Stages that take about as long as an 8B model's halves on an
+		// H200, their host threads spinning as CUDA's do.
+		{via: "local", rows: 1, compute: 900 * time.Microsecond},
+		{via: "local", rows: 8, compute: 1600 * time.Microsecond},
+	} {
+		via, rows := tc.via, tc.rows
+		name := fmt.Sprintf("%s/rows=%d", via, rows)
+		if tc.compute > 0 {
+			name += fmt.Sprintf("/compute=%v", tc.compute)
+		}
+		{
+			b.Run(name, func(b *testing.B) {
 				var p *Pipeline
 				if via == "tcp" {
 					wide := stageOpts{wrap: func(e stage.Engine) stage.Engine {
@@ -198,7 +219,7 @@ func BenchmarkWideStep(b *testing.B) {
 					m := newMesh(b, []int{0, 2, 5}, engineOpts, wide, wide)
 					p = m.pipeline(b, Config{Dial: m.dialHop0InProcess(), WireDType: stage.F32})
 				} else {
-					p = libp2pPipeline(b, 4096, via == "local")
+					p = libp2pPipeline(b, 4096, via == "local", tc.compute)
 				}
 				step := &stage.Batch{}
 				for r := range rows {
@@ -230,7 +251,7 @@ func BenchmarkWideStep(b *testing.B) {
 // hosts of one mesh, as two nodes run it: stage 0 and the origin share the
 // first host (hop 0 in process), stage 1 is served by the second; with
 // local, its streams go over the second host's local socket.
-func libp2pPipeline(b *testing.B, embd int, local bool) *Pipeline {
+func libp2pPipeline(b *testing.B, embd int, local bool, compute time.Duration) *Pipeline {
 	const proto = "/meshnode/bench-stage/1"
 	key, err := host.GenerateMeshKey()
 	if err != nil {
@@ -268,7 +289,7 @@ func libp2pPipeline(b *testing.B, embd int, local bool) *Pipeline {
 	}
 	srvs := make([]*Server, 2)
 	for i, e := range engines {
-		if srvs[i], err = NewServer(ServerConfig{Engine: instantEngine{Engine: serialEngine{e}, embd: embd, picks: true, bufs: &zeroBufs{}}, Dial: dial, ModelID: "stories260K", ModelHash: "test-hash"}); err != nil {
+		if srvs[i], err = NewServer(ServerConfig{Engine: instantEngine{Engine: serialEngine{e}, embd: embd, picks: true, bufs: &zeroBufs{}, compute: compute}, Dial: dial, ModelID: "stories260K", ModelHash: "test-hash"}); err != nil {
 			b.Fatal(err)
 		}
 		b.Cleanup(func() { srvs[i].Close() })
