@@ -351,3 +351,13 @@ func (c *localConn) Close() error {
 }
 
 func (c *localConn) RemoteAddr() net.Addr { return c.remote }
+
+// BusyPollWindow is how long a read of the connection polls for data
+// after the last (Config.BusyPoll, 0: off); a stream's ring over the
+// connection polls its memory as long (package pipeline).
+func (c *localConn) BusyPollWindow() time.Duration {
+	if c.busy == nil {
+		return 0
+	}
+	return time.Duration(c.busy.window.Load())
+}
