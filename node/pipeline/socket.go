@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -9,6 +10,7 @@ import (
 	"io"
 	"net"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -90,6 +92,7 @@ type socketWriter struct {
 	mu   sync.Mutex
 	conn net.Conn
 	buf  []byte
+	ring *ringSide // set: messages go through the stream's ring
 }
 
 // outOfLineBytes is the smallest activations payload that a socket
@@ -99,6 +102,25 @@ type socketWriter struct {
 // and a second iovec).
 const outOfLineBytes = 32 << 10
 
+// ringOutOfLineBytes is outOfLineBytes for a stream on a ring, where a
+// payload is copied once either way, straight into the ring.
+const ringOutOfLineBytes = 1 << 10
+
+// msgReader reads a stream's messages: from the socket (socketReader) or
+// from the stream's ring (ringReader). A body is valid until the next read.
+type msgReader interface {
+	read(limit int) (kind byte, body []byte, err error)
+}
+
+type socketReader struct {
+	r   *bufio.Reader
+	buf []byte
+}
+
+func (s *socketReader) read(limit int) (byte, []byte, error) {
+	return readSocketMsg(s.r, &s.buf, limit)
+}
+
 // write sends a message of kind whose body is m marshaled (m a
 // proto.Message) or raw; it returns the bytes written.
 func (w *socketWriter) write(kind byte, m proto.Message, raw []byte) (int, error) {
@@ -106,7 +128,11 @@ func (w *socketWriter) write(kind byte, m proto.Message, raw []byte) (int, error
 	defer w.mu.Unlock()
 	b := append(w.buf[:0], kind, 0, 0, 0, 0)
 	var payload []byte
-	if f, ok := m.(*meshnodev1.Frame); ok && len(f.GetActivations().GetPayload()) >= outOfLineBytes {
+	outOfLine := outOfLineBytes
+	if w.ring != nil {
+		outOfLine = ringOutOfLineBytes
+	}
+	if f, ok := m.(*meshnodev1.Frame); ok && len(f.GetActivations().GetPayload()) >= outOfLine {
 		var err error
 		if b, payload, err = wire.AppendHead(b, f); err != nil {
 			return 0, status.Errorf(codes.Internal, "encoding a frame: %v", err)
@@ -121,6 +147,18 @@ func (w *socketWriter) write(kind byte, m proto.Message, raw []byte) (int, error
 	}
 	binary.LittleEndian.PutUint32(b[1:], uint32(len(b)+len(payload)-socketHeader))
 	w.buf = b
+	if w.ring != nil {
+		err := w.ring.write(kind, [][]byte{b[socketHeader:], payload}, w.conn, func() error {
+			_, err := w.send(b, payload)
+			return err
+		})
+		return len(b) + len(payload), err
+	}
+	return w.send(b, payload)
+}
+
+// send writes a message, its payload out of line if there is one.
+func (w *socketWriter) send(b, payload []byte) (int, error) {
 	if payload == nil {
 		return w.conn.Write(b)
 	}
@@ -159,6 +197,9 @@ type SocketConfig struct {
 	// Count, if set, is told the bytes of every frame sent and received
 	// ("sent", "received"), as gRPC's stats handlers are.
 	Count func(dir string, n int)
+	// NoRing keeps streams on their sockets alone, without the shared
+	// memory rings a Unix socket otherwise brings (see ring.go).
+	NoRing bool
 }
 
 // OverSockets returns a connection whose Forward streams each run over a
@@ -200,19 +241,87 @@ func (c socketConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method
 		}
 		return c.cfg.Other.NewStream(ctx, desc, method, opts...)
 	}
-	s := &socketClient{
-		ctx: ctx, conn: conn, r: bufio.NewReaderSize(conn, socketReadBuffer),
-		w: socketWriter{conn: conn}, max: c.cfg.MaxRecvBytes, count: c.cfg.Count,
+	s, err := c.open(ctx, conn, method)
+	if errors.Is(err, errRingRefusedByOld) {
+		// A server from before rings: the stream again, on the socket.
+		if conn, err = c.cfg.Dial(ctx); err != nil {
+			return nil, status.Errorf(codes.Unavailable, "opening a stage stream: %v", err)
+		}
+		s, err = c.openPlain(ctx, conn, method)
 	}
-	// As with gRPC, the stream ends when its context does.
-	s.stop = context.AfterFunc(ctx, func() { conn.Close() })
-	if _, err := s.w.write(socketOpen, nil, []byte(method)); err != nil {
-		s.stop()
-		conn.Close()
+	if err != nil {
 		if ctx.Err() != nil {
 			return nil, toStatus(context.Cause(ctx))
 		}
 		return nil, status.Errorf(codes.Unavailable, "opening a stage stream: %v", err)
+	}
+	return s, nil
+}
+
+// errRingRefusedByOld says that the server does not know rings.
+var errRingRefusedByOld = errors.New("the server predates rings")
+
+func (c socketConn) newClient(ctx context.Context, conn net.Conn) *socketClient {
+	r := bufio.NewReaderSize(conn, socketReadBuffer)
+	return &socketClient{
+		ctx: ctx, conn: conn, r: r, in: &socketReader{r: r},
+		w: socketWriter{conn: conn}, max: c.cfg.MaxRecvBytes, count: c.cfg.Count,
+	}
+}
+
+// open opens the stream on conn, with a ring where the connection can
+// pass one and the server takes it.
+func (c socketConn) open(ctx context.Context, conn net.Conn, method string) (*socketClient, error) {
+	if c.cfg.NoRing {
+		return c.openPlain(ctx, conn, method)
+	}
+	mem, err := offerRing(conn, method)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	if mem == nil {
+		return c.openPlain(ctx, conn, method)
+	}
+	s := c.newClient(ctx, conn)
+	side := newRingSide(mem, true)
+	s.ring = side
+	// As with gRPC, the stream ends when its context does.
+	s.stop = context.AfterFunc(ctx, func() { side.stopRead.Store(true); conn.Close() })
+	fail := func(err error) (*socketClient, error) {
+		s.stop()
+		conn.Close()
+		mem.close()
+		return nil, err
+	}
+	_ = conn.SetReadDeadline(time.Now().Add(socketOpenTimeout))
+	kind, body, err := readSocketMsg(s.r, &s.rbuf, 1<<10)
+	_ = conn.SetReadDeadline(time.Time{})
+	switch {
+	case err != nil:
+		return fail(fmt.Errorf("waiting for the ring's answer: %w", err))
+	case kind == socketEnd && len(body) >= 4 && codes.Code(binary.LittleEndian.Uint32(body)) == codes.Unimplemented:
+		return fail(errRingRefusedByOld)
+	case kind != socketRingAck:
+		return fail(fmt.Errorf("unexpected message kind %d for the ring's answer", kind))
+	case len(body) > 0:
+		// Refused: the stream runs on the socket alone.
+		mem.close()
+		s.ring = nil
+		return s, nil
+	}
+	s.in = &ringReader{side: side, sock: s.r, window: busyWindow(conn)}
+	s.w.ring = side
+	return s, nil
+}
+
+func (c socketConn) openPlain(ctx context.Context, conn net.Conn, method string) (*socketClient, error) {
+	s := c.newClient(ctx, conn)
+	s.stop = context.AfterFunc(ctx, func() { conn.Close() })
+	if _, err := s.w.write(socketOpen, nil, []byte(method)); err != nil {
+		s.stop()
+		conn.Close()
+		return nil, err
 	}
 	return s, nil
 }
@@ -234,6 +343,8 @@ type socketClient struct {
 	ctx   context.Context
 	conn  net.Conn
 	r     *bufio.Reader
+	in    msgReader
+	ring  *ringSide // the stream's ring, or nil
 	w     socketWriter
 	max   int
 	count func(dir string, n int)
@@ -280,7 +391,7 @@ func (s *socketClient) RecvMsg(m any) error {
 	if s.end != nil {
 		return s.end
 	}
-	kind, body, err := readSocketMsg(s.r, &s.rbuf, s.max)
+	kind, body, err := s.in.read(s.max)
 	switch {
 	case errors.Is(err, errSocketTooLarge):
 		return s.finish(status.Errorf(codes.ResourceExhausted, "stage stream: received %v", err))
@@ -318,6 +429,12 @@ func (s *socketClient) finish(err error) error {
 	s.end = err
 	s.stop()
 	s.conn.Close()
+	if s.ring != nil {
+		// Bodies were copied out (proto.Unmarshal); a sender blocked on
+		// a full ring fails on the closed connection.
+		s.ring.stopRead.Store(true)
+		s.ring.mem.close()
+	}
 	return err
 }
 
@@ -411,19 +528,47 @@ func (s *SocketServer) serveConn(c net.Conn) {
 	defer c.Close()
 	stop := context.AfterFunc(s.ctx, func() { c.Close() })
 	defer stop()
+	r := bufio.NewReaderSize(c, socketReadBuffer)
 	ss := &socketServerStream{
-		conn: c, r: bufio.NewReaderSize(c, socketReadBuffer), w: socketWriter{conn: c},
+		conn: c, r: r, in: &socketReader{r: r}, w: socketWriter{conn: c},
 		max: s.cfg.MaxRecvBytes, peer: c.RemoteAddr().String(), count: s.cfg.Count,
 	}
 	_ = c.SetReadDeadline(time.Now().Add(socketOpenTimeout))
-	kind, body, err := readSocketMsg(ss.r, &ss.rbuf, 1<<10)
+	kind, body, rest, fd, err := readOpen(c, ss.r, &ss.rbuf)
 	if err != nil || kind != socketOpen {
+		closeFD(fd)
 		return // not a stream: nothing to answer
 	}
+	if len(rest) > 0 {
+		r.Reset(io.MultiReader(bytes.NewReader(rest), c))
+	}
 	_ = c.SetReadDeadline(time.Time{})
-	if method := string(body); method != meshnodev1.StageService_Forward_FullMethodName {
+	method, offered := strings.CutSuffix(string(body), ringOffer)
+	if method != meshnodev1.StageService_Forward_FullMethodName {
+		closeFD(fd)
 		_, _ = ss.w.write(socketEnd, nil, endBody(status.Errorf(codes.Unimplemented, "socket stage server: no stream %s", method)))
 		return
+	}
+	if offered {
+		side, err := acceptRing(fd)
+		var answer []byte
+		if err != nil {
+			answer = []byte(err.Error())
+		}
+		if _, err := ss.w.write(socketRingAck, nil, answer); err != nil {
+			side.close()
+			return
+		}
+		if side != nil {
+			defer side.close() // the handler is done with its frames
+			ss.ring = side
+			ss.in = &ringReader{side: side, sock: ss.r, window: busyWindow(c)}
+			ss.w.ring = side
+			stopRing := context.AfterFunc(s.ctx, func() { side.stopRead.Store(true) })
+			defer stopRing()
+		}
+	} else {
+		closeFD(fd)
 	}
 	ctx, cancel := context.WithCancelCause(peer.NewContext(s.ctx, &peer.Peer{Addr: c.RemoteAddr()}))
 	defer cancel(nil)
@@ -443,6 +588,8 @@ type socketServerStream struct {
 	cancel context.CancelCauseFunc
 	conn   net.Conn
 	r      *bufio.Reader
+	in     msgReader
+	ring   *ringSide // the stream's ring, or nil
 	w      socketWriter
 	max    int
 	peer   string
@@ -463,6 +610,9 @@ type socketServerStream struct {
 func (s *socketServerStream) cancelRecv(ctx context.Context) func() bool {
 	return context.AfterFunc(ctx, func() {
 		s.stopped.Store(true)
+		if s.ring != nil {
+			s.ring.stopRead.Store(true)
+		}
 		if cr, ok := s.conn.(interface{ CloseRead() error }); ok && cr.CloseRead() == nil {
 			return
 		}
@@ -494,7 +644,7 @@ func (s *socketServerStream) RecvMsg(m any) error {
 	if s.rerr != nil {
 		return s.rerr
 	}
-	kind, body, err := readSocketMsg(s.r, &s.rbuf, s.max)
+	kind, body, err := s.in.read(s.max)
 	switch {
 	case errors.Is(err, errSocketTooLarge):
 		// As gRPC does: the stream ends, and the client is told why.

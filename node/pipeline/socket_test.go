@@ -79,6 +79,19 @@ func rawMessage(kind byte, body []byte) []byte {
 // in-process streams, and that bad input from either end ends only its
 // stream, with a reason.
 func TestSocketStream(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		noRing bool
+	}{{"ring", false}, {"socket alone", true}} {
+		t.Run(tc.name, func(t *testing.T) { testSocketStream(t, tc.noRing) })
+	}
+}
+
+func testSocketStream(t *testing.T, noRing bool) {
+	over := func(cfg SocketConfig) grpc.ClientConnInterface {
+		cfg.NoRing = noRing
+		return OverSockets(cfg)
+	}
 	var named atomic.Bool // the handler's context names its peer
 	echo := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
 		if p, ok := peer.FromContext(s.Context()); ok && p.Addr != nil {
@@ -99,7 +112,7 @@ func TestSocketStream(t *testing.T) {
 	}}
 	var sent, received atomic.Int64
 	path, _ := serveSockets(t, echo, SocketServerConfig{MaxRecvBytes: 1 << 10})
-	conn := OverSockets(SocketConfig{Dial: dialUnix(path), Other: InProcess(echo), MaxRecvBytes: 1 << 10,
+	conn := over(SocketConfig{Dial: dialUnix(path), Other: InProcess(echo), MaxRecvBytes: 1 << 10,
 		Count: func(dir string, n int) {
 			if dir == "sent" {
 				sent.Add(int64(n))
@@ -142,7 +155,7 @@ func TestSocketStream(t *testing.T) {
 			return status.Error(codes.InvalidArgument, "bad frame")
 		}}
 		path, _ := serveSockets(t, bad, SocketServerConfig{})
-		s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Forward(t.Context())
+		s, err := meshnodev1.NewStageServiceClient(over(SocketConfig{Dial: dialUnix(path)})).Forward(t.Context())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -162,7 +175,7 @@ func TestSocketStream(t *testing.T) {
 		}}
 		path, _ := serveSockets(t, blocked, SocketServerConfig{})
 		ctx, cancel := context.WithCancel(t.Context())
-		s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Forward(ctx)
+		s, err := meshnodev1.NewStageServiceClient(over(SocketConfig{Dial: dialUnix(path)})).Forward(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -185,13 +198,13 @@ func TestSocketStream(t *testing.T) {
 		if err != nil || info.GetStart() != 2 || info.GetEnd() != 5 {
 			t.Fatalf("Info: %v, %v", info, err)
 		}
-		if _, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Info(t.Context(), &meshnodev1.InfoRequest{}); status.Code(err) != codes.Unimplemented {
+		if _, err := meshnodev1.NewStageServiceClient(over(SocketConfig{Dial: dialUnix(path)})).Info(t.Context(), &meshnodev1.InfoRequest{}); status.Code(err) != codes.Unimplemented {
 			t.Fatalf("Info without another connection: %v", err)
 		}
 	})
 	t.Run("fallback", func(t *testing.T) {
 		var why error
-		c := OverSockets(SocketConfig{Dial: dialUnix(path + ".gone"), Other: InProcess(echo), OnFallback: func(err error) { why = err }})
+		c := over(SocketConfig{Dial: dialUnix(path + ".gone"), Other: InProcess(echo), OnFallback: func(err error) { why = err }})
 		s, err := meshnodev1.NewStageServiceClient(c).Forward(t.Context())
 		if err != nil {
 			t.Fatal(err)
@@ -206,7 +219,7 @@ func TestSocketStream(t *testing.T) {
 			t.Fatal("OnFallback not told")
 		}
 		s.CloseSend()
-		if _, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path + ".gone")})).Forward(t.Context()); status.Code(err) != codes.Unavailable {
+		if _, err := meshnodev1.NewStageServiceClient(over(SocketConfig{Dial: dialUnix(path + ".gone")})).Forward(t.Context()); status.Code(err) != codes.Unavailable {
 			t.Fatalf("no socket and no other connection: %v", err)
 		}
 	})
@@ -227,7 +240,7 @@ func TestSocketStream(t *testing.T) {
 			return s.Send(tokensFrame(0, 1000))
 		}}
 		path, _ := serveSockets(t, big, SocketServerConfig{})
-		s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path), MaxRecvBytes: 1 << 10})).Forward(t.Context())
+		s, err := meshnodev1.NewStageServiceClient(over(SocketConfig{Dial: dialUnix(path), MaxRecvBytes: 1 << 10})).Forward(t.Context())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -544,7 +557,8 @@ func TestDirectSendStuckNextHop(t *testing.T) {
 }
 
 // stuckListener listens on a Unix socket whose connections are accepted
-// and never read, and returns its path.
+// and never read past their open message, and returns its path. A
+// stream's ring is taken and never read either.
 func stuckListener(t *testing.T) string {
 	path := filepath.Join(t.TempDir(), "stuck.sock")
 	ln, err := net.Listen("unix", path)
@@ -553,6 +567,7 @@ func stuckListener(t *testing.T) string {
 	}
 	var mu sync.Mutex
 	var held []net.Conn
+	var rings []*ringSide
 	go func() {
 		for {
 			c, err := ln.Accept()
@@ -562,6 +577,23 @@ func stuckListener(t *testing.T) string {
 			mu.Lock()
 			held = append(held, c)
 			mu.Unlock()
+			var buf []byte
+			_, body, _, fd, err := readOpen(c, bufio.NewReader(c), &buf)
+			if err != nil || !strings.HasSuffix(string(body), ringOffer) {
+				closeFD(fd)
+				continue
+			}
+			side, err := acceptRing(fd)
+			if err != nil {
+				t.Errorf("taking a stream's ring: %v", err)
+				continue
+			}
+			mu.Lock()
+			rings = append(rings, side)
+			mu.Unlock()
+			if _, err := c.Write(rawMessage(socketRingAck, nil)); err != nil {
+				t.Errorf("answering a ring: %v", err)
+			}
 		}
 	}()
 	t.Cleanup(func() {
@@ -570,6 +602,9 @@ func stuckListener(t *testing.T) string {
 		defer mu.Unlock()
 		for _, c := range held {
 			c.Close()
+		}
+		for _, r := range rings {
+			r.close()
 		}
 	})
 	return path
