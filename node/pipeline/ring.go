@@ -68,7 +68,8 @@ const (
 	// ringMaxRecord is the largest record a ring takes.
 	ringMaxRecord = ringData / 4
 	// ringBytes is the shared memory of a stream: the client's ring,
-	// then the server's.
+	// then the server's. Pages are taken as the rings go round, so a
+	// stream that carries decode steps ends up holding all 4 MiB.
 	ringBytes = 2 * (ringCtl + ringData)
 
 	// ringFullBell is how often a writer waiting for room rings: a peer
