@@ -48,7 +48,7 @@ Generate a model to measure with 'meshnode dev gen-model'.`, `  meshnode dev gen
 	var cfg bench.Config
 	fs.StringVar(&cfg.Model, "model", "", "GGUF model to measure (required)")
 	fs.IntVar(&cfg.Threads, "threads", 0, "CPU threads; 0 = as serve: a thread per 32 MiB of a stage's weights, up to all cores")
-	fs.IntVar(&cfg.PromptTokens, "prompt", 512, "prompt tokens per sequence")
+	fs.IntVar(&cfg.PromptTokens, "prompt", 512, "prompt tokens per sequence; decode steps start after them, and attention's share of a step grows with the position")
 	fs.IntVar(&cfg.DecodeTokens, "decode", 128, "decode steps")
 	fs.IntVar(&cfg.Runs, "runs", 1, "repetitions, medians reported; with --mesh, rounds that form every mesh in turn, so drift hits all stage counts alike")
 	fs.Var(switchFlag{&cfg.FlashAttn}, "flash-attn", "the fused attention kernel in both engines (and every node): auto (on GPUs), on, off")

@@ -38,10 +38,15 @@ type Row struct {
 	Streams    int
 	PrefillTPS float64
 	DecodeTPS  float64
-	// FloorTPS bounds one-stream CPU decode: the memory read bandwidth
-	// measured in the same run over the weight bytes one step reads. 0
-	// where not measured (several streams, GPU).
+	// FloorTPS bounds one-stream decode: the memory bandwidth measured in
+	// the same run (the CPU's reads, a GPU's copy) over the weight bytes
+	// one step reads. 0 where not measured (several streams, a GPU whose
+	// bandwidth could not be measured).
 	FloorTPS float64
+	// Prompt and Decode: each sequence's decode steps, from the position
+	// after its prompt. Attention's share of a step grows with the
+	// position; the floor counts only the weights.
+	Prompt, Decode int
 }
 
 // runner is the common surface of the two engines.
@@ -236,7 +241,8 @@ func Run(ctx context.Context, cfg Config, log io.Writer) ([]Row, error) {
 	for _, n := range cfg.Streams {
 		for _, e := range engines {
 			k := key{e.name, n}
-			row := Row{Engine: e.name, Streams: n, PrefillTPS: median(pre[k]), DecodeTPS: median(dec[k])}
+			row := Row{Engine: e.name, Streams: n, PrefillTPS: median(pre[k]), DecodeTPS: median(dec[k]),
+				Prompt: cfg.PromptTokens, Decode: cfg.DecodeTokens}
 			if n == 1 {
 				row.FloorTPS = floor
 			}
@@ -372,6 +378,10 @@ func Print(w io.Writer, rows []Row) {
 			fr = fmt.Sprintf("%.2f", r.DecodeTPS/r.FloorTPS)
 		}
 		fmt.Fprintf(w, " %12s\n", fr)
+	}
+	if len(rows) > 0 && rows[0].Decode > 0 {
+		fmt.Fprintf(w, "(decode: %d steps a sequence from position %d, after its --prompt; the floor counts the weights a step reads, not its KV cache)\n",
+			rows[0].Decode, rows[0].Prompt)
 	}
 }
 
