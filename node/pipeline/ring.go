@@ -37,8 +37,9 @@ import (
 // client opens the stream again without the offer.
 //
 // A ring is a single-producer single-consumer queue of records, each an
-// 8-byte header (kind, 3 zero bytes, the body's length) and the body,
-// padded to 8 bytes; a record never wraps (ringWrap fills the end). The
+// 8-byte header (kind, the padding before the body, 2 zero bytes, the
+// body's length), the padding and the body, padded to 8 bytes; a record
+// never wraps (ringWrap fills the end). The
 // reader returns a body in place and releases it at its next read, as
 // readSocketMsg reuses its buffer. A message over ringMaxRecord goes on
 // the socket behind a ringViaSocket record, which keeps the order.
@@ -185,19 +186,26 @@ func pad8(n int) int { return (n + 7) &^ 7 }
 
 // write puts a message of kind whose body is the parts' concatenation on
 // the ring, or, too large for it, on the socket (sock writes it whole)
-// behind a ringViaSocket record; conn rings the peer's bell. The caller
-// holds the stream's write lock.
+// behind a ringViaSocket record; conn rings the peer's bell. Where parts
+// holds a second part (a frame's payload, after its head), the record's
+// padding puts that part at an address that is a multiple of 16, so that
+// the reader can lend it as it lies (wire.UnmarshalLent moves it
+// otherwise). The caller holds the stream's write lock.
 func (r *ringSide) write(kind byte, parts [][]byte, conn net.Conn, sock func() error) error {
 	n := 0
 	for _, p := range parts {
 		n += len(p)
 	}
-	rec := ringHeader + pad8(n)
-	via := rec > ringMaxRecord
-	if via {
-		rec = ringHeader
+	align := -1 // the body's offset to align
+	if len(parts) > 1 && len(parts[1]) > 0 {
+		align = len(parts[0])
 	}
-	if err := r.put(kind, parts, n, rec, via, conn); err != nil {
+	most := ringHeader + pad8(n+ringMaxPad) // with any padding
+	via := most > ringMaxRecord
+	if via {
+		most, align = ringHeader, -1
+	}
+	if err := r.put(kind, parts, n, most, align, via, conn); err != nil {
 		return err
 	}
 	if via {
@@ -206,7 +214,19 @@ func (r *ringSide) write(kind byte, parts [][]byte, conn net.Conn, sock func() e
 	return nil
 }
 
-func (r *ringSide) put(kind byte, parts [][]byte, n, rec int, via bool, conn net.Conn) error {
+// ringMaxPad is the most padding a record has before its body.
+const ringMaxPad = 15
+
+// recordPad is the padding before a body at pos whose byte at align must
+// sit at a multiple of 16 (each ring's data starts at one: ringCtl is).
+func recordPad(pos, align int) int {
+	if align < 0 {
+		return 0
+	}
+	return (16 - (pos+ringHeader+align)%16) % 16
+}
+
+func (r *ringSide) put(kind byte, parts [][]byte, n, most, align int, via bool, conn net.Conn) error {
 	r.mem.mu.RLock()
 	defer r.mem.mu.RUnlock()
 	if r.mem.closed {
@@ -215,8 +235,8 @@ func (r *ringSide) put(kind byte, parts [][]byte, n, rec int, via bool, conn net
 	h := r.out
 	head := h.head.Load()
 	pos := int(head % ringData)
-	need := rec
-	if ringData-pos < rec {
+	need := most
+	if ringData-pos < most {
 		need += ringData - pos // a wrap record fills the end
 	}
 	lastBell := time.Now()
@@ -235,19 +255,22 @@ func (r *ringSide) put(kind byte, parts [][]byte, n, rec int, via bool, conn net
 			runtime.Gosched()
 		}
 	}
-	if ringData-pos < rec {
-		putHeader(h.data[pos:], ringWrap, ringData-pos-ringHeader)
+	if ringData-pos < most {
+		putHeader(h.data[pos:], ringWrap, 0, ringData-pos-ringHeader)
 		head += uint64(ringData - pos)
 		pos = 0
 	}
+	rec := ringHeader
 	if via {
-		putHeader(h.data[pos:], ringViaSocket, 0)
+		putHeader(h.data[pos:], ringViaSocket, 0, 0)
 	} else {
-		putHeader(h.data[pos:], kind, n)
-		off := pos + ringHeader
+		pad := recordPad(pos, align)
+		putHeader(h.data[pos:], kind, pad, n)
+		off := pos + ringHeader + pad
 		for _, p := range parts {
 			off += copy(h.data[off:], p)
 		}
+		rec += pad8(pad + n)
 	}
 	h.head.Store(head + uint64(rec))
 	if h.sleeping.Load() != 0 {
@@ -256,8 +279,10 @@ func (r *ringSide) put(kind byte, parts [][]byte, n, rec int, via bool, conn net
 	return nil
 }
 
-func putHeader(b []byte, kind byte, n int) {
-	b[0], b[1], b[2], b[3] = kind, 0, 0, 0
+// putHeader writes a record's header: its kind, the padding before its
+// body, and the body's length.
+func putHeader(b []byte, kind byte, pad, n int) {
+	b[0], b[1], b[2], b[3] = kind, byte(pad), 0, 0
 	binary.LittleEndian.PutUint32(b[4:], uint32(n))
 }
 
@@ -327,10 +352,10 @@ func (r *ringReader) poll(limit int) (kind byte, body []byte, ok bool, err error
 			return 0, nil, false, errRingCorrupt
 		}
 		pos := int(tail % ringData)
-		k := h.data[pos]
+		k, pad := h.data[pos], int(h.data[pos+1])
 		n := int(binary.LittleEndian.Uint32(h.data[pos+4:]))
-		rec := ringHeader + pad8(n)
-		if rec > ringData-pos || uint64(rec) > head-tail {
+		rec := ringHeader + pad8(pad+n)
+		if pad > ringMaxPad || n > ringData || rec > ringData-pos || uint64(rec) > head-tail {
 			return 0, nil, false, errRingCorrupt
 		}
 		switch k {
@@ -347,7 +372,8 @@ func (r *ringReader) poll(limit int) (kind byte, body []byte, ok bool, err error
 		}
 		h.tail.Store(tail)
 		r.pending = uint64(rec)
-		return k, h.data[pos+ringHeader : pos+ringHeader+n], true, nil
+		at := pos + ringHeader + pad
+		return k, h.data[at : at+n : at+n], true, nil
 	}
 }
 
