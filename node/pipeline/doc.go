@@ -30,10 +30,10 @@
 // streams (OverSockets, SocketServer): length-prefixed frames on a
 // connection of their own, with gRPC's stream semantics (status codes, half
 // close, cancellation), so that Server and Pipeline cannot tell them apart.
-// Over a Unix socket a stream's messages go through two rings of shared
-// memory, one a direction, that the client offers with its open message
-// (ring.go); the socket then carries only doorbells for a reader asleep,
-// messages too large for a ring, and the end of a peer.
+// On Linux, over a Unix socket, a stream's messages go through two rings
+// of shared memory, one a direction, that the client offers with its open
+// message (ring.go); the socket then carries only doorbells for a reader
+// asleep, messages too large for a ring, and the end of a peer.
 // On socket and in-process streams a stage's handler reads its frames, and
 // writes them to a next hop over a socket, itself; on gRPC's, a goroutine
 // of the handler's reads for it and another writes. Hops over socket

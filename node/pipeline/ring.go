@@ -1,4 +1,4 @@
-//go:build unix
+//go:build linux
 
 package pipeline
 
@@ -29,20 +29,26 @@ import (
 // compute cases, run 221). Through a ring, a message is one copy into
 // memory the reader polls.
 //
-// The client makes the memory (ringCreate), offers it with its open
-// message (the method name plus ringOffer, the descriptor beside it as
-// SCM_RIGHTS), and waits for the server's socketRingAck: an empty body
-// accepts, else it says why not, and the stream stays on the socket. A
-// server that predates rings refuses the method (Unimplemented), and the
-// client opens the stream again without the offer.
+// The client makes the memory (ringCreate: a memfd sealed at its size, so
+// that the peer cannot shrink it under the server's mapping), offers it
+// with its open message (the method name plus ringOffer, the descriptor
+// beside it as SCM_RIGHTS), and waits for the server's socketRingAck: an
+// empty body accepts, else it says why not, and the stream stays on the
+// socket. A server that predates rings refuses the method
+// (Unimplemented), and the client opens the stream again without the
+// offer. Linux only: elsewhere there are no sealed memfds.
 //
 // A ring is a single-producer single-consumer queue of records, each an
 // 8-byte header (kind, the padding before the body, 2 zero bytes, the
 // body's length), the padding and the body, padded to 8 bytes; a record
-// never wraps (ringWrap fills the end). The
-// reader returns a body in place and releases it at its next read, as
-// readSocketMsg reuses its buffer. A message over ringMaxRecord goes on
-// the socket behind a ringViaSocket record, which keeps the order.
+// never wraps (ringWrap fills the end). Each side keeps its own head or
+// tail and only stores it in the shared memory, and reads the other's
+// with every bound checked: a peer that scribbles on its ring ends the
+// stream, nothing more. The reader returns a body in place and releases
+// it at its next read, as readSocketMsg reuses its buffer; RecvMsg holds
+// a lock while it reads and decodes, and the memory is unmapped only
+// under it. A message over ringMaxRecord goes on the socket behind a
+// ringViaSocket record, which keeps the order.
 //
 // Bells: a reader that has found nothing for its busy-poll window sets
 // its ring's sleeping flag, looks once more, and blocks reading the
@@ -93,6 +99,9 @@ type ringMem struct {
 }
 
 func mapRing(fd int) (*ringMem, error) {
+	if err := checkSeals(fd); err != nil {
+		return nil, err
+	}
 	var st syscall.Stat_t
 	if err := syscall.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("ring: %w", err)
@@ -150,6 +159,7 @@ type ringSide struct {
 	mem      *ringMem
 	out      ringHalf
 	in       ringHalf
+	head     uint64      // out's head: only stored to the shared memory, which the peer could change
 	stopRead atomic.Bool // reads end (the stream's context, cancelRecv)
 }
 
@@ -233,14 +243,22 @@ func (r *ringSide) put(kind byte, parts [][]byte, n, most, align int, via bool, 
 		return errRingClosed
 	}
 	h := r.out
-	head := h.head.Load()
+	head := r.head
 	pos := int(head % ringData)
 	need := most
 	if ringData-pos < most {
 		need += ringData - pos // a wrap record fills the end
 	}
 	lastBell := time.Now()
-	for spins := 0; uint64(ringData)-(head-h.tail.Load()) < uint64(need); spins++ {
+	nap := 20 * time.Microsecond
+	for spins := 0; ; spins++ {
+		tail := h.tail.Load()
+		if tail > head || head-tail > ringData {
+			return errRingCorrupt // the peer's tail
+		}
+		if ringData-(head-tail) >= uint64(need) {
+			break
+		}
 		if time.Since(lastBell) > ringFullBell {
 			// The reader may be asleep, or gone: a bell wakes the one and
 			// fails on the other.
@@ -249,11 +267,12 @@ func (r *ringSide) put(kind byte, parts [][]byte, n, most, align int, via bool, 
 			}
 			lastBell = time.Now()
 		}
-		if spins > 64 {
-			time.Sleep(20 * time.Microsecond)
-		} else {
+		if spins < 64 {
 			runtime.Gosched()
+			continue
 		}
+		time.Sleep(nap)
+		nap = min(2*nap, time.Millisecond)
 	}
 	if ringData-pos < most {
 		putHeader(h.data[pos:], ringWrap, 0, ringData-pos-ringHeader)
@@ -272,7 +291,8 @@ func (r *ringSide) put(kind byte, parts [][]byte, n, most, align int, via bool, 
 		}
 		rec += pad8(pad + n)
 	}
-	h.head.Store(head + uint64(rec))
+	r.head = head + uint64(rec)
+	h.head.Store(r.head)
 	if h.sleeping.Load() != 0 {
 		return writeBell(conn)
 	}
@@ -298,6 +318,7 @@ type ringReader struct {
 	sock    *bufio.Reader
 	sbuf    []byte
 	window  func() time.Duration // the busy-poll window
+	tail    uint64               // the ring's tail: only stored to the shared memory, which the peer could change
 	pending uint64               // the record last returned, released at the next read
 	last    time.Time            // when a message last came
 }
@@ -340,37 +361,50 @@ func (r *ringReader) poll(limit int) (kind byte, body []byte, ok bool, err error
 		return 0, nil, false, errRingClosed
 	}
 	h := r.side.in
-	tail := h.tail.Load() + r.pending
+	r.tail += r.pending
 	r.pending = 0
+	h.tail.Store(r.tail)
+	wrapped := false
 	for {
+		tail := r.tail
 		head := h.head.Load()
 		if head == tail {
-			h.tail.Store(tail)
 			return 0, nil, false, nil
 		}
 		if head-tail > ringData || head%8 != 0 {
 			return 0, nil, false, errRingCorrupt
 		}
-		pos := int(tail % ringData)
+		pos := int(tail % ringData) // a multiple of 8: a header fits before the end
 		k, pad := h.data[pos], int(h.data[pos+1])
 		n := int(binary.LittleEndian.Uint32(h.data[pos+4:]))
+		if pad > ringMaxPad || n > ringData {
+			return 0, nil, false, errRingCorrupt
+		}
 		rec := ringHeader + pad8(pad+n)
-		if pad > ringMaxPad || n > ringData || rec > ringData-pos || uint64(rec) > head-tail {
+		if rec > ringData-pos || uint64(rec) > head-tail {
 			return 0, nil, false, errRingCorrupt
 		}
 		switch k {
 		case ringWrap:
-			tail += uint64(rec)
+			// A wrap fills the ring's end, once a read: a peer cannot keep
+			// the reader here.
+			if wrapped || pos+rec != ringData {
+				return 0, nil, false, errRingCorrupt
+			}
+			wrapped = true
+			r.tail += uint64(rec)
+			h.tail.Store(r.tail)
 			continue
 		case ringViaSocket:
-			h.tail.Store(tail + uint64(rec))
+			r.tail += uint64(rec)
+			h.tail.Store(r.tail)
 			return ringViaSocket, nil, false, nil
 		}
 		if n > limit {
-			h.tail.Store(tail + uint64(rec))
+			r.tail += uint64(rec)
+			h.tail.Store(r.tail)
 			return k, nil, false, fmt.Errorf("%w: %d bytes, at most %d", errSocketTooLarge, n, limit)
 		}
-		h.tail.Store(tail)
 		r.pending = uint64(rec)
 		at := pos + ringHeader + pad
 		return k, h.data[at : at+n : at+n], true, nil
@@ -425,8 +459,7 @@ func (r *ringReader) more() (bool, error) {
 	if r.side.mem.closed {
 		return false, errRingClosed
 	}
-	h := r.side.in
-	return h.head.Load() != h.tail.Load()+r.pending, nil
+	return r.side.in.head.Load() != r.tail+r.pending, nil
 }
 
 // ringConn is what a connection needs to carry rings: a Unix socket's

@@ -1,4 +1,4 @@
-//go:build unix
+//go:build linux
 
 package pipeline
 
@@ -10,12 +10,15 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -365,5 +368,119 @@ func TestRingPayloadAligned(t *testing.T) {
 		if addr := uintptr(unsafe.Pointer(&body[len(head)])); addr%16 != 0 {
 			t.Fatalf("message %d: the payload lies at %#x", i, addr)
 		}
+	}
+}
+
+// TestRingUnsealed: memory that its client could shrink under the
+// server's mapping (a fault there would kill the server) is refused with
+// a reason; the stream stays on its socket.
+func TestRingUnsealed(t *testing.T) {
+	path, _ := serveSockets(t, echoStage(), SocketServerConfig{})
+	c, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	fd, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Ftruncate(fd, ringBytes); err != nil {
+		t.Fatal(err)
+	}
+	open := rawMessage(socketOpen, []byte(meshnodev1.StageService_Forward_FullMethodName+ringOffer))
+	if _, _, err := c.(*net.UnixConn).WriteMsgUnix(open, unix.UnixRights(fd), nil); err != nil {
+		t.Fatal(err)
+	}
+	var buf []byte
+	kind, body, err := readSocketMsg(bufio.NewReader(c), &buf, 1<<10)
+	if err != nil || kind != socketRingAck || !strings.Contains(string(body), "shrink") {
+		t.Fatalf("answer: kind %d %q, %v; want the ring refused as memory that could shrink", kind, body, err)
+	}
+}
+
+// TestRingOutlivesHandler: a goroutine of the handler that goes on
+// reading after the handler returned (as Server.receive does on a return
+// stream) must not touch the stream's memory once it is gone, while the
+// client keeps sending.
+func TestRingOutlivesHandler(t *testing.T) {
+	reading := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
+		first := make(chan struct{})
+		go func() { // reads to the stream's end, as Server.receive does
+			once := false
+			for {
+				if _, err := s.Recv(); err != nil {
+					return
+				}
+				if !once {
+					once = true
+					close(first)
+				}
+			}
+		}()
+		<-first
+		return status.Error(codes.InvalidArgument, "one frame was enough")
+	}}
+	for range 5 {
+		path, _ := serveSockets(t, reading, SocketServerConfig{MaxRecvBytes: 1 << 20})
+		s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Forward(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range 200 {
+			if s.Send(payloadFrame(uint64(i), 480<<10)) != nil {
+				break // the server ended the stream
+			}
+		}
+		if _, err := s.Recv(); status.Code(err) != codes.InvalidArgument {
+			t.Fatalf("Recv: %v, want the handler's InvalidArgument", err)
+		}
+	}
+}
+
+// ringMappings counts this process's mappings of stream memory.
+func ringMappings(t *testing.T) int {
+	b, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Count(string(b), "meshnode-ring")
+}
+
+// TestRingReleasedOnCancel: a stream whose context ends gives its memory
+// back on both sides, even if nobody reads it again, and its sends fail
+// as a socket stream's do.
+func TestRingReleasedOnCancel(t *testing.T) {
+	path, _ := serveSockets(t, echoStage(), SocketServerConfig{})
+	before := ringMappings(t)
+	var cancels []context.CancelFunc
+	var streams []meshnodev1.StageService_ForwardClient
+	for range 5 {
+		ctx, cancel := context.WithCancel(t.Context())
+		s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Forward(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancels, streams = append(cancels, cancel), append(streams, s)
+	}
+	if n := ringMappings(t); n < before+10 {
+		t.Fatalf("%d stream mappings with five streams open, %d before", n, before)
+	}
+	for _, cancel := range cancels {
+		cancel()
+	}
+	for _, s := range streams {
+		if err := s.Send(tokensFrame(1, 1)); status.Code(err) != codes.Canceled {
+			t.Fatalf("Send after the context ended: %v, want Canceled", err)
+		}
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for ringMappings(t) > before {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d stream mappings left, %d before the streams", ringMappings(t), before)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -244,10 +244,9 @@ func (c socketConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method
 	s, err := c.open(ctx, conn, method)
 	if errors.Is(err, errRingRefusedByOld) {
 		// A server from before rings: the stream again, on the socket.
-		if conn, err = c.cfg.Dial(ctx); err != nil {
-			return nil, status.Errorf(codes.Unavailable, "opening a stage stream: %v", err)
+		if conn, err = c.cfg.Dial(ctx); err == nil {
+			s, err = c.openPlain(ctx, conn, method)
 		}
-		s, err = c.openPlain(ctx, conn, method)
 	}
 	if err != nil {
 		if ctx.Err() != nil {
@@ -257,6 +256,10 @@ func (c socketConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method
 	}
 	return s, nil
 }
+
+// ringAnswerTimeout bounds the wait for a server's answer to a ring: a
+// live one answers at once.
+const ringAnswerTimeout = 3 * time.Second
 
 // errRingRefusedByOld says that the server does not know rings.
 var errRingRefusedByOld = errors.New("the server predates rings")
@@ -286,15 +289,22 @@ func (c socketConn) open(ctx context.Context, conn net.Conn, method string) (*so
 	s := c.newClient(ctx, conn)
 	side := newRingSide(mem, true)
 	s.ring = side
-	// As with gRPC, the stream ends when its context does.
-	s.stop = context.AfterFunc(ctx, func() { side.stopRead.Store(true); conn.Close() })
+	// As with gRPC, the stream ends when its context does. The memory
+	// goes once no read is under way: RecvMsg decodes from it.
+	s.stop = context.AfterFunc(ctx, func() {
+		side.stopRead.Store(true)
+		conn.Close()
+		s.readMu.Lock()
+		defer s.readMu.Unlock()
+		mem.close()
+	})
 	fail := func(err error) (*socketClient, error) {
 		s.stop()
 		conn.Close()
 		mem.close()
 		return nil, err
 	}
-	_ = conn.SetReadDeadline(time.Now().Add(socketOpenTimeout))
+	_ = conn.SetReadDeadline(time.Now().Add(ringAnswerTimeout))
 	kind, body, err := readSocketMsg(s.r, &s.rbuf, 1<<10)
 	_ = conn.SetReadDeadline(time.Time{})
 	switch {
@@ -340,15 +350,16 @@ func socketOf(s meshnodev1.StageService_ForwardClient) *socketClient {
 // socketClient is the client's end of a socket stream. As with gRPC, one
 // goroutine may send while another receives.
 type socketClient struct {
-	ctx   context.Context
-	conn  net.Conn
-	r     *bufio.Reader
-	in    msgReader
-	ring  *ringSide // the stream's ring, or nil
-	w     socketWriter
-	max   int
-	count func(dir string, n int)
-	stop  func() bool
+	ctx    context.Context
+	conn   net.Conn
+	r      *bufio.Reader
+	in     msgReader
+	ring   *ringSide  // the stream's ring, or nil
+	readMu sync.Mutex // held by RecvMsg: the ring's memory stays while it reads
+	w      socketWriter
+	max    int
+	count  func(dir string, n int)
+	stop   func() bool
 
 	rbuf []byte
 	end  error // the stream's end, once RecvMsg saw it
@@ -359,6 +370,11 @@ func (s *socketClient) Trailer() metadata.MD         { return nil }
 func (s *socketClient) Context() context.Context     { return s.ctx }
 
 func (s *socketClient) SendMsg(m any) error {
+	if s.ring != nil && s.ctx.Err() != nil {
+		// As on the socket, whose connection is closed by now: a ring
+		// would still take the frame.
+		return toStatus(context.Cause(s.ctx))
+	}
 	n, err := s.w.write(socketFrame, m.(proto.Message), nil)
 	if err != nil {
 		if s.ctx.Err() != nil {
@@ -388,6 +404,8 @@ func (s *socketClient) CloseSend() error {
 }
 
 func (s *socketClient) RecvMsg(m any) error {
+	s.readMu.Lock()
+	defer s.readMu.Unlock()
 	if s.end != nil {
 		return s.end
 	}
@@ -560,7 +578,17 @@ func (s *SocketServer) serveConn(c net.Conn) {
 			return
 		}
 		if side != nil {
-			defer side.close() // the handler is done with its frames
+			// The handler is done with its frames when it returns, but a
+			// goroutine of its may still be reading (Server.receive):
+			// the memory goes once the connection is closed, which ends
+			// that read, and the read has let go of it.
+			defer func() {
+				side.stopRead.Store(true)
+				c.Close()
+				ss.readMu.Lock()
+				defer ss.readMu.Unlock()
+				side.close()
+			}()
 			ss.ring = side
 			ss.in = &ringReader{side: side, sock: ss.r, window: busyWindow(c)}
 			ss.w.ring = side
@@ -589,7 +617,8 @@ type socketServerStream struct {
 	conn   net.Conn
 	r      *bufio.Reader
 	in     msgReader
-	ring   *ringSide // the stream's ring, or nil
+	ring   *ringSide  // the stream's ring, or nil
+	readMu sync.Mutex // held by RecvMsg: the ring's memory stays while it reads
 	w      socketWriter
 	max    int
 	peer   string
@@ -638,6 +667,8 @@ func (s *socketServerStream) Recv() (*meshnodev1.Frame, error) {
 }
 
 func (s *socketServerStream) RecvMsg(m any) error {
+	s.readMu.Lock()
+	defer s.readMu.Unlock()
 	if s.closed {
 		return io.EOF
 	}

@@ -1,4 +1,4 @@
-//go:build !unix
+//go:build !linux
 
 package pipeline
 
@@ -9,8 +9,8 @@ import (
 	"time"
 )
 
-// Rings need Unix sockets' descriptor passing; elsewhere streams stay on
-// their sockets.
+// Rings need Linux's sealed memfds (a peer cannot shrink the memory under
+// a mapping); elsewhere streams stay on their sockets.
 
 const (
 	ringOffer          = "+ring"
@@ -45,7 +45,7 @@ var errNoRings = errRingUnsupported{}
 
 type errRingUnsupported struct{}
 
-func (errRingUnsupported) Error() string { return "rings need Unix sockets" }
+func (errRingUnsupported) Error() string { return "rings need Linux" }
 
 func busyWindow(net.Conn) func() time.Duration     { return nil }
 func offerRing(net.Conn, string) (*ringMem, error) { return nil, nil }
