@@ -27,12 +27,9 @@ func (fakeStage) Info(context.Context, *meshnodev1.InfoRequest) (*meshnodev1.Sta
 	return &meshnodev1.StageInfo{Start: 2, End: 5}, nil
 }
 
-// TestInProcessStream checks that an in-process stream behaves as a gRPC
-// one does for what the pipeline relies on: frames in order both ways,
-// end of stream, the handler's error as a status, cancellation ending the
-// handler, and the Info call.
-func TestInProcessStream(t *testing.T) {
-	echo := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
+// echoStage sends every frame back until its client closes its side.
+func echoStage() fakeStage {
+	return fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
 		for {
 			f, err := s.Recv()
 			if errors.Is(err, io.EOF) {
@@ -46,6 +43,14 @@ func TestInProcessStream(t *testing.T) {
 			}
 		}
 	}}
+}
+
+// TestInProcessStream checks that an in-process stream behaves as a gRPC
+// one does for what the pipeline relies on: frames in order both ways,
+// end of stream, the handler's error as a status, cancellation ending the
+// handler, and the Info call.
+func TestInProcessStream(t *testing.T) {
+	echo := echoStage()
 	t.Run("echo", func(t *testing.T) {
 		s, err := meshnodev1.NewStageServiceClient(InProcess(echo)).Forward(t.Context())
 		if err != nil {

@@ -192,6 +192,17 @@ func (r *ringSide) close() {
 	}
 }
 
+// shut ends the side's reads and closes c, which ends a read asleep on
+// it, then unmaps the memory once reads is free: a stream's reader holds
+// it while it reads and decodes from the memory.
+func (r *ringSide) shut(c net.Conn, reads *sync.Mutex) {
+	r.stopRead.Store(true)
+	c.Close()
+	reads.Lock()
+	defer reads.Unlock()
+	r.close()
+}
+
 func pad8(n int) int { return (n + 7) &^ 7 }
 
 // write puts a message of kind whose body is the parts' concatenation on
@@ -504,45 +515,43 @@ func offerRing(c net.Conn, method string) (*ringMem, error) {
 	return m, nil
 }
 
-// readOpen reads a stream's open message from c, with the descriptor of
-// a ring beside it if there is one (-1 if not). It reads what has come,
-// as a bufio.Reader would, and returns the bytes past the message (a
-// client that offers no ring may send its frames at once); elsewhere
-// than a Unix socket it reads through r.
-func readOpen(c net.Conn, r *bufio.Reader, buf *[]byte) (kind byte, body, rest []byte, fd int, err error) {
-	rc, ok := c.(ringConn)
-	if !ok {
-		kind, body, err = readSocketMsg(r, buf, 1<<10)
-		return kind, body, nil, -1, err
+// openReader reads a connection for a bufio.Reader, keeping the first
+// descriptor passed beside its bytes (a ring's, with the open message)
+// until done; then it reads as the connection does (busy-polling, say).
+type openReader struct {
+	c    net.Conn
+	rc   ringConn // nil: c passes no descriptors
+	fd   int
+	open bool
+}
+
+func newOpenReader(c net.Conn) *openReader {
+	rc, _ := c.(ringConn)
+	return &openReader{c: c, rc: rc, fd: -1, open: rc != nil}
+}
+
+func (o *openReader) Read(b []byte) (int, error) {
+	if !o.open {
+		return o.c.Read(b)
 	}
-	fd = -1
-	b := make([]byte, socketReadBuffer)
 	oob := make([]byte, syscall.CmsgSpace(4*4))
-	got := 0
-	for {
-		if got >= socketHeader {
-			n := int(binary.LittleEndian.Uint32(b[1:]))
-			if n > 1<<10 {
-				closeFD(fd)
-				return b[0], nil, nil, -1, fmt.Errorf("%w: %d bytes, at most %d", errSocketTooLarge, n, 1<<10)
-			}
-			if got >= socketHeader+n {
-				return b[0], b[socketHeader : socketHeader+n], b[socketHeader+n : got], fd, nil
-			}
-		}
-		n, oobn, _, _, err := rc.ReadMsgUnix(b[got:], oob)
-		if oobn > 0 {
-			fd = keepOneFD(oob[:oobn], fd)
-		}
-		got += n
-		if err == nil && n == 0 {
-			err = io.ErrUnexpectedEOF
-		}
-		if err != nil {
-			closeFD(fd)
-			return 0, nil, nil, -1, err
-		}
+	n, oobn, _, _, err := o.rc.ReadMsgUnix(b, oob)
+	if oobn > 0 {
+		o.fd = keepOneFD(oob[:oobn], o.fd)
 	}
+	if err == nil && n == 0 && len(b) > 0 {
+		err = io.EOF
+	}
+	return n, err
+}
+
+// done ends the keeping and returns the descriptor kept, or -1; the
+// caller owns it.
+func (o *openReader) done() int {
+	o.open = false
+	fd := o.fd
+	o.fd = -1
+	return fd
 }
 
 // keepOneFD takes the descriptors of a control message: the first one

@@ -5,6 +5,7 @@ package pipeline
 import (
 	"bufio"
 	"net"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -29,6 +30,7 @@ type ringSide struct {
 func newRingSide(m *ringMem, client bool) *ringSide { return &ringSide{mem: m} }
 func acceptRing(int) (*ringSide, error)             { return nil, errNoRings }
 func (r *ringSide) close()                          {}
+func (r *ringSide) shut(net.Conn, *sync.Mutex)      {}
 func (r *ringSide) write(byte, [][]byte, net.Conn, func() error) error {
 	return errNoRings
 }
@@ -50,7 +52,10 @@ func (errRingUnsupported) Error() string { return "rings need Linux" }
 func busyWindow(net.Conn) func() time.Duration     { return nil }
 func offerRing(net.Conn, string) (*ringMem, error) { return nil, nil }
 func closeFD(int)                                  {}
-func readOpen(c net.Conn, r *bufio.Reader, buf *[]byte) (byte, []byte, []byte, int, error) {
-	kind, body, err := readSocketMsg(r, buf, 1<<10)
-	return kind, body, nil, -1, err
-}
+
+// openReader reads its connection; no descriptors come beside.
+type openReader struct{ c net.Conn }
+
+func newOpenReader(c net.Conn) *openReader       { return &openReader{c} }
+func (o *openReader) Read(b []byte) (int, error) { return o.c.Read(b) }
+func (o *openReader) done() int                  { return -1 }

@@ -53,23 +53,6 @@ func payloadFrame(step uint64, n int) *meshnodev1.Frame {
 	return &meshnodev1.Frame{Step: step, Body: &meshnodev1.Frame_Activations{Activations: &meshnodev1.Activations{Rows: 1, Cols: uint32(n), Payload: p}}}
 }
 
-func echoStage() fakeStage {
-	return fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
-		for {
-			f, err := s.Recv()
-			if errors.Is(err, io.EOF) {
-				return nil
-			}
-			if err != nil {
-				return err
-			}
-			if err := s.Send(f); err != nil {
-				return err
-			}
-		}
-	}}
-}
-
 // TestRingMessages sends messages of every size through a stream's rings
 // and back, many times round each ring, and messages too large for a ring
 // beside them on the socket: all arrive whole, in order. The client polls
@@ -232,33 +215,7 @@ func TestRingRefused(t *testing.T) {
 func TestRingPeerGone(t *testing.T) {
 	for _, window := range []time.Duration{0, 50 * time.Millisecond} {
 		t.Run("window "+window.String(), func(t *testing.T) {
-			path := filepath.Join(t.TempDir(), "gone.sock")
-			ln, err := net.Listen("unix", path)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer ln.Close()
-			go func() {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				var buf []byte
-				_, _, _, fd, err := readOpen(c, bufio.NewReader(c), &buf)
-				if err != nil {
-					c.Close()
-					return
-				}
-				side, err := acceptRing(fd)
-				if err != nil {
-					c.Close()
-					return
-				}
-				c.Write(rawMessage(socketRingAck, nil))
-				time.Sleep(100 * time.Millisecond)
-				side.close()
-				c.Close()
-			}()
+			path := ringPeer(t, func(net.Conn, *ringSide) { time.Sleep(100 * time.Millisecond) })
 			s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialWindow(path, window)})).Forward(t.Context())
 			if err != nil {
 				t.Fatal(err)
@@ -272,6 +229,37 @@ func TestRingPeerGone(t *testing.T) {
 			}
 		})
 	}
+}
+
+// ringPeer listens on a Unix socket for one stream, takes its ring and
+// answers it, runs peer, and then leaves without a word: the ring is
+// unmapped and the connection closed. It returns the socket's path.
+func ringPeer(t *testing.T, peer func(c net.Conn, side *ringSide)) string {
+	path := filepath.Join(t.TempDir(), "peer.sock")
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		side, err := takeRing(c)
+		if side == nil || err != nil {
+			t.Errorf("taking the stream's ring: %v", err)
+			return
+		}
+		defer side.close()
+		if _, err := c.Write(rawMessage(socketRingAck, nil)); err != nil {
+			t.Errorf("answering the ring: %v", err)
+			return
+		}
+		peer(c, side)
+	}()
+	return path
 }
 
 // TestRingCorrupt: a peer that scribbles on its ring ends the stream with
@@ -288,33 +276,11 @@ func TestRingCorrupt(t *testing.T) {
 		{"padding too long", func(h ringHalf) { putHeader(h.data, socketFrame, 200, 8); h.head.Store(216) }},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			path := filepath.Join(t.TempDir(), "bad.sock")
-			ln, err := net.Listen("unix", path)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer ln.Close()
-			go func() {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				defer c.Close()
-				var buf []byte
-				_, _, _, fd, err := readOpen(c, bufio.NewReader(c), &buf)
-				if err != nil {
-					return
-				}
-				side, err := acceptRing(fd)
-				if err != nil {
-					return
-				}
-				defer side.close()
-				c.Write(rawMessage(socketRingAck, nil))
+			path := ringPeer(t, func(c net.Conn, side *ringSide) {
 				tt.write(side.out)
 				writeBell(c)
 				time.Sleep(time.Second)
-			}()
+			})
 			s, err := meshnodev1.NewStageServiceClient(OverSockets(SocketConfig{Dial: dialUnix(path)})).Forward(t.Context())
 			if err != nil {
 				t.Fatal(err)

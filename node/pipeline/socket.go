@@ -2,7 +2,6 @@ package pipeline
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -291,13 +290,7 @@ func (c socketConn) open(ctx context.Context, conn net.Conn, method string) (*so
 	s.ring = side
 	// As with gRPC, the stream ends when its context does. The memory
 	// goes once no read is under way: RecvMsg decodes from it.
-	s.stop = context.AfterFunc(ctx, func() {
-		side.stopRead.Store(true)
-		conn.Close()
-		s.readMu.Lock()
-		defer s.readMu.Unlock()
-		mem.close()
-	})
+	s.stop = context.AfterFunc(ctx, func() { side.shut(conn, &s.readMu) })
 	fail := func(err error) (*socketClient, error) {
 		s.stop()
 		conn.Close()
@@ -305,7 +298,7 @@ func (c socketConn) open(ctx context.Context, conn net.Conn, method string) (*so
 		return nil, err
 	}
 	_ = conn.SetReadDeadline(time.Now().Add(ringAnswerTimeout))
-	kind, body, err := readSocketMsg(s.r, &s.rbuf, 1<<10)
+	kind, body, err := s.in.read(1 << 10)
 	_ = conn.SetReadDeadline(time.Time{})
 	switch {
 	case err != nil:
@@ -361,8 +354,7 @@ type socketClient struct {
 	count  func(dir string, n int)
 	stop   func() bool
 
-	rbuf []byte
-	end  error // the stream's end, once RecvMsg saw it
+	end error // the stream's end, once RecvMsg saw it
 }
 
 func (s *socketClient) Header() (metadata.MD, error) { return nil, nil }
@@ -451,7 +443,7 @@ func (s *socketClient) finish(err error) error {
 		// Bodies were copied out (proto.Unmarshal); a sender blocked on
 		// a full ring fails on the closed connection.
 		s.ring.stopRead.Store(true)
-		s.ring.mem.close()
+		s.ring.close()
 	}
 	return err
 }
@@ -546,19 +538,19 @@ func (s *SocketServer) serveConn(c net.Conn) {
 	defer c.Close()
 	stop := context.AfterFunc(s.ctx, func() { c.Close() })
 	defer stop()
-	r := bufio.NewReaderSize(c, socketReadBuffer)
+	// The open message may bring a ring's descriptor beside it.
+	open := newOpenReader(c)
+	sr := &socketReader{r: bufio.NewReaderSize(open, socketReadBuffer)}
 	ss := &socketServerStream{
-		conn: c, r: r, in: &socketReader{r: r}, w: socketWriter{conn: c},
+		conn: c, r: sr.r, in: sr, w: socketWriter{conn: c},
 		max: s.cfg.MaxRecvBytes, peer: c.RemoteAddr().String(), count: s.cfg.Count,
 	}
 	_ = c.SetReadDeadline(time.Now().Add(socketOpenTimeout))
-	kind, body, rest, fd, err := readOpen(c, ss.r, &ss.rbuf)
+	kind, body, err := sr.read(1 << 10)
+	fd := open.done()
 	if err != nil || kind != socketOpen {
 		closeFD(fd)
 		return // not a stream: nothing to answer
-	}
-	if len(rest) > 0 {
-		r.Reset(io.MultiReader(bytes.NewReader(rest), c))
 	}
 	_ = c.SetReadDeadline(time.Time{})
 	method, offered := strings.CutSuffix(string(body), ringOffer)
@@ -582,13 +574,7 @@ func (s *SocketServer) serveConn(c net.Conn) {
 			// goroutine of its may still be reading (Server.receive):
 			// the memory goes once the connection is closed, which ends
 			// that read, and the read has let go of it.
-			defer func() {
-				side.stopRead.Store(true)
-				c.Close()
-				ss.readMu.Lock()
-				defer ss.readMu.Unlock()
-				side.close()
-			}()
+			defer side.shut(c, &ss.readMu)
 			ss.ring = side
 			ss.in = &ringReader{side: side, sock: ss.r, window: busyWindow(c)}
 			ss.w.ring = side
@@ -624,9 +610,8 @@ type socketServerStream struct {
 	peer   string
 	count  func(peer, dir string, n int)
 
-	rbuf    []byte
 	mbuf    []byte      // UnmarshalLent's scratch
-	lend    bool        // frames' payloads are lent from rbuf (lendPayloads)
+	lend    bool        // frames' payloads are lent from the read buffer or the ring (lendPayloads)
 	closed  bool        // the client closed its side
 	rerr    error       // the read side's end, once seen
 	broken  atomic.Bool // the connection cannot carry the end message

@@ -422,20 +422,7 @@ func FuzzSocketStream(f *testing.F) {
 	} {
 		f.Add(seed)
 	}
-	echo := fakeStage{forward: func(s meshnodev1.StageService_ForwardServer) error {
-		for {
-			f, err := s.Recv()
-			if errors.Is(err, io.EOF) {
-				return nil
-			}
-			if err != nil {
-				return err
-			}
-			if err := s.Send(f); err != nil {
-				return err
-			}
-		}
-	}}
+	echo := echoStage()
 	dir, err := os.MkdirTemp("", "mn")
 	if err != nil {
 		f.Fatal(err)
@@ -556,6 +543,20 @@ func TestDirectSendStuckNextHop(t *testing.T) {
 	}
 }
 
+// takeRing reads a stream's open message from c as a socket server does
+// and maps the ring offered with it, if any (nil, nil: none).
+func takeRing(c net.Conn) (*ringSide, error) {
+	open := newOpenReader(c)
+	var buf []byte
+	_, body, err := readSocketMsg(bufio.NewReader(open), &buf, 1<<10)
+	fd := open.done()
+	if err != nil || !strings.HasSuffix(string(body), ringOffer) {
+		closeFD(fd)
+		return nil, err
+	}
+	return acceptRing(fd)
+}
+
 // stuckListener listens on a Unix socket whose connections are accepted
 // and never read past their open message, and returns its path. A
 // stream's ring is taken and never read either.
@@ -577,15 +578,11 @@ func stuckListener(t *testing.T) string {
 			mu.Lock()
 			held = append(held, c)
 			mu.Unlock()
-			var buf []byte
-			_, body, _, fd, err := readOpen(c, bufio.NewReader(c), &buf)
-			if err != nil || !strings.HasSuffix(string(body), ringOffer) {
-				closeFD(fd)
-				continue
-			}
-			side, err := acceptRing(fd)
+			side, err := takeRing(c)
 			if err != nil {
 				t.Errorf("taking a stream's ring: %v", err)
+			}
+			if side == nil {
 				continue
 			}
 			mu.Lock()
