@@ -17,7 +17,7 @@ export CGO_CXXFLAGS = -O3 -march=$(MARCH)
 export CGO_CPPFLAGS = -DGGML_USE_CPU_REPACK $(GGML_INC)
 TAGS      ?= repack
 
-.PHONY: build portable portable-check test fuzz vet proto bench clean env serve llamacpp-ref
+.PHONY: build portable portable-check cuda-syntax test fuzz vet proto bench clean env serve llamacpp-ref
 
 build:
 	$(GO) build -tags '$(TAGS)' -o bin/meshnode ./cmd/meshnode
@@ -37,7 +37,7 @@ llamacpp-ref:
 
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-test: llamacpp-ref portable-check
+test: llamacpp-ref portable-check cuda-syntax
 	$(GO) vet -tags '$(TAGS)' ./...
 	test -z "$$(gofmt -l .)" || (gofmt -l .; echo "gofmt: the files above need formatting"; exit 1)
 	$(GO) run $(STATICCHECK) -tags '$(TAGS)' ./...
@@ -68,6 +68,12 @@ fuzz:
 # build recompiles ggml.
 portable-check:
 	for f in ggufstage/*_amd64.cpp; do $(CXX) -c -o /dev/null -O3 -march=x86-64-v3 $(CGO_CPPFLAGS) $$f || exit 1; done
+
+# The CUDA kernels (ggufstage/cuda, deploy/gpu) parsed and type-checked by
+# clang against declarations of the CUDA API, where no toolkit is: they
+# are built only on a GPU machine (deploy/gpu/build-cuda.sh).
+cuda-syntax:
+	deploy/gpu/cuda-syntax.sh
 
 vet:
 	$(GO) vet -tags '$(TAGS)' ./...
