@@ -25,7 +25,7 @@ bad=0
 for f in "${files[@]}"; do
   for side in --cuda-host-only --cuda-device-only; do
     if ! "$cxx" -x cuda "$side" --cuda-gpu-arch=sm_90 -nocudainc -nocudalib -fsyntax-only -std=c++17 \
-      -include stddef.h -I"$root/deploy/gpu/cudastub" "$root/$f"; then
+      -I"$root/deploy/gpu/cudastub" "$root/$f"; then
       echo "cuda-syntax: $f ($side) does not parse" >&2
       bad=1
     fi

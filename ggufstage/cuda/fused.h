@@ -10,6 +10,7 @@
 #ifndef MESHNODE_FUSED_H
 #define MESHNODE_FUSED_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
