@@ -739,12 +739,12 @@ func (m *meshRun) launch(i int, args []string) error {
 	if m.cfg.GPUPerNode {
 		cmd.Env = append(cmd.Env, fmt.Sprintf("CUDA_VISIBLE_DEVICES=%d", i-1))
 	}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
+	cmd.SysProcAttr = nodeAttr()
+	p := &nodeProc{index: i, cmd: cmd, logPath: logPath, logFile: lf, done: make(chan struct{})}
+	if err := startNode(p); err != nil {
 		lf.Close()
 		return fmt.Errorf("starting node %d: %w", i, err)
 	}
-	p := &nodeProc{index: i, cmd: cmd, logPath: logPath, logFile: lf, done: make(chan struct{})}
 	host, port := m.nodeHost(i), ""
 	for k, a := range args {
 		if a == "--http" && k+1 < len(args) {
@@ -752,12 +752,29 @@ func (m *meshRun) launch(i int, args []string) error {
 		}
 	}
 	p.url = "http://" + net.JoinHostPort(host, port)
-	go func() {
-		p.err = cmd.Wait()
-		close(p.done)
-	}()
 	m.procs = append(m.procs, p)
 	return nil
+}
+
+// startNode starts p's command and waits for it on one goroutine, locked
+// to its thread until the node exits: the kernel sends a node's
+// parent-death signal (nodeAttr) when the thread that started it exits,
+// and Go may retire a thread that no goroutine holds. p.done is closed
+// once the node has exited; it never is if the start fails.
+func startNode(p *nodeProc) error {
+	started := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		if err := p.cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
+		p.err = p.cmd.Wait()
+		close(p.done)
+	}()
+	return <-started
 }
 
 func redact(args []string, key string) []string {
