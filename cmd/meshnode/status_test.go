@@ -105,7 +105,7 @@ func startChild(t *testing.T, args []string) *testNode {
 	cmd.Env = append(os.Environ(), childEnv+"="+string(enc))
 	var log bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &log, &log
-	if err := cmd.Start(); err != nil {
+	if err := startDying(cmd); err != nil {
 		t.Fatal(err)
 	}
 	n := &testNode{cmd: cmd, args: args, log: &log}
