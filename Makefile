@@ -42,7 +42,7 @@ test: llamacpp-ref portable-check cuda-syntax
 	test -z "$$(gofmt -l .)" || (gofmt -l .; echo "gofmt: the files above need formatting"; exit 1)
 	$(GO) run $(STATICCHECK) -tags '$(TAGS)' ./...
 	MESHNODE_LLAMACPP_REF=$(CURDIR)/bin/llamacpp-ref $(GO) test -tags '$(TAGS)' -count=1 -timeout 60m ./...
-	$(GO) test -race -count=1 -timeout 20m ./stage/... ./node/ ./node/pipeline/ ./node/planner/ ./node/membership/ ./node/openai/ ./node/text/ ./node/sample/ ./node/wire/ ./node/weights/ ./node/admin/ ./ggufstage/gguf/
+	$(GO) test -race -count=1 -timeout 20m ./stage/... ./node/ ./node/pipeline/ ./node/planner/ ./node/membership/ ./node/openai/ ./node/text/ ./node/sample/ ./node/wire/ ./node/weights/ ./node/admin/ ./node/childproc/ ./ggufstage/gguf/
 	$(MAKE) fuzz
 
 # Each fuzz target runs for FUZZTIME on top of its committed seed corpus

@@ -21,6 +21,7 @@ import (
 
 	"github.com/meshnode/meshnode/node"
 	"github.com/meshnode/meshnode/node/admin"
+	"github.com/meshnode/meshnode/node/childproc"
 )
 
 // childEnv makes the test binary run meshnode itself, with the arguments
@@ -61,6 +62,7 @@ type testNode struct {
 	cancel context.CancelFunc
 	done   chan error
 	cmd    *exec.Cmd
+	child  *childproc.Child // cmd's, for a child process
 	args   []string
 	log    *bytes.Buffer
 }
@@ -71,7 +73,7 @@ func (n *testNode) kill() {
 		return
 	}
 	n.cmd.Process.Kill()
-	n.cmd.Wait()
+	n.child.Wait()
 	n.cmd = nil
 }
 
@@ -105,10 +107,13 @@ func startChild(t *testing.T, args []string) *testNode {
 	cmd.Env = append(os.Environ(), childEnv+"="+string(enc))
 	var log bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &log, &log
-	if err := startDying(cmd); err != nil {
+	// childproc: the node dies with the test binary, so that a crashed or
+	// timed-out run leaves no node behind.
+	child, err := childproc.Start(cmd)
+	if err != nil {
 		t.Fatal(err)
 	}
-	n := &testNode{cmd: cmd, args: args, log: &log}
+	n := &testNode{cmd: cmd, child: child, args: args, log: &log}
 	t.Cleanup(n.kill)
 	return n
 }

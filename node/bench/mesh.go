@@ -34,6 +34,7 @@ import (
 
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/node"
+	"github.com/meshnode/meshnode/node/childproc"
 	"github.com/meshnode/meshnode/node/internal/netdelay"
 	"github.com/meshnode/meshnode/node/sse"
 )
@@ -637,8 +638,7 @@ type nodeProc struct {
 	logPath string
 	logFile *os.File
 	url     string // http://host:port
-	done    chan struct{}
-	err     error
+	child   *childproc.Child
 }
 
 func (m *meshRun) nodeHost(i int) string {
@@ -739,12 +739,15 @@ func (m *meshRun) launch(i int, args []string) error {
 	if m.cfg.GPUPerNode {
 		cmd.Env = append(cmd.Env, fmt.Sprintf("CUDA_VISIBLE_DEVICES=%d", i-1))
 	}
-	cmd.SysProcAttr = nodeAttr()
-	p := &nodeProc{index: i, cmd: cmd, logPath: logPath, logFile: lf, done: make(chan struct{})}
-	if err := startNode(p); err != nil {
+	// A group of its own: stop signals the group. The node dies with the
+	// bench where the bench dies without stopping it (childproc).
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	child, err := childproc.Start(cmd)
+	if err != nil {
 		lf.Close()
 		return fmt.Errorf("starting node %d: %w", i, err)
 	}
+	p := &nodeProc{index: i, cmd: cmd, logPath: logPath, logFile: lf, child: child}
 	host, port := m.nodeHost(i), ""
 	for k, a := range args {
 		if a == "--http" && k+1 < len(args) {
@@ -754,27 +757,6 @@ func (m *meshRun) launch(i int, args []string) error {
 	p.url = "http://" + net.JoinHostPort(host, port)
 	m.procs = append(m.procs, p)
 	return nil
-}
-
-// startNode starts p's command and waits for it on one goroutine, locked
-// to its thread until the node exits: the kernel sends a node's
-// parent-death signal (nodeAttr) when the thread that started it exits,
-// and Go may retire a thread that no goroutine holds. p.done is closed
-// once the node has exited; it never is if the start fails.
-func startNode(p *nodeProc) error {
-	started := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		if err := p.cmd.Start(); err != nil {
-			started <- err
-			return
-		}
-		started <- nil
-		p.err = p.cmd.Wait()
-		close(p.done)
-	}()
-	return <-started
 }
 
 func redact(args []string, key string) []string {
@@ -806,7 +788,7 @@ func nodeEnv() []string {
 func (m *meshRun) stop() {
 	for _, p := range m.procs {
 		select {
-		case <-p.done:
+		case <-p.child.Done():
 		default:
 			syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
 		}
@@ -814,10 +796,10 @@ func (m *meshRun) stop() {
 	deadline := time.After(10 * time.Second)
 	for _, p := range m.procs {
 		select {
-		case <-p.done:
+		case <-p.child.Done():
 		case <-deadline:
 			syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
-			<-p.done
+			<-p.child.Done()
 		}
 	}
 	for _, p := range m.procs {
@@ -829,8 +811,8 @@ func (m *meshRun) stop() {
 func (m *meshRun) alive() error {
 	for _, p := range m.procs {
 		select {
-		case <-p.done:
-			return fmt.Errorf("node %d exited: %v", p.index, p.err)
+		case <-p.child.Done():
+			return fmt.Errorf("node %d exited: %v", p.index, p.child.Wait())
 		default:
 		}
 	}

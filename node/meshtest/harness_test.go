@@ -16,7 +16,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -27,6 +26,7 @@ import (
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/ggufstage/gguf"
 	"github.com/meshnode/meshnode/ggufstage/synth"
+	"github.com/meshnode/meshnode/node/childproc"
 	"github.com/meshnode/meshnode/stage"
 	"github.com/meshnode/meshnode/stage/stagetest"
 )
@@ -54,7 +54,6 @@ var (
 func TestMain(m *testing.M) { os.Exit(runMain(m)) }
 
 func runMain(m *testing.M) int {
-	go spawner()
 	dir, err := os.MkdirTemp("", "meshnode-meshtest-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -103,29 +102,6 @@ func runMain(m *testing.M) int {
 
 // ---- processes ----
 
-// A process started with Pdeathsig dies when the thread that started it
-// exits, not the process; Go may retire threads. Every node is therefore
-// started from one goroutine locked to its thread for the whole run.
-type spawnReq struct {
-	cmd  *exec.Cmd
-	done chan error
-}
-
-var spawns = make(chan spawnReq)
-
-func spawner() {
-	runtime.LockOSThread() // never unlocked: the thread lives as long as the binary
-	for r := range spawns {
-		r.done <- r.cmd.Start()
-	}
-}
-
-func startCmd(cmd *exec.Cmd) error {
-	r := spawnReq{cmd: cmd, done: make(chan error)}
-	spawns <- r
-	return <-r.done
-}
-
 // proc is a child process whose output (stdout and stderr together) is
 // kept in memory and in a log file, and can be waited on line by line.
 type proc struct {
@@ -170,8 +146,10 @@ func startProc(t *testing.T, name, bin string, args ...string) *proc {
 	p.cmd = exec.Command(bin, args...)
 	p.cmd.Env = nodeEnv()
 	p.cmd.Stdout, p.cmd.Stderr = pw, pw
-	detachable(p.cmd)
-	if err := startCmd(p.cmd); err != nil {
+	// childproc: the node dies with the test binary, so that a crashed or
+	// interrupted run leaves no node behind.
+	child, err := childproc.Start(p.cmd)
+	if err != nil {
 		pr.Close()
 		pw.Close()
 		logFile.Close()
@@ -196,7 +174,7 @@ func startProc(t *testing.T, name, bin string, args ...string) *proc {
 		}
 		pr.Close()
 		logFile.Close()
-		err := p.cmd.Wait()
+		err := child.Wait()
 		p.mu.Lock()
 		p.waitErr = err
 		p.mu.Unlock()

@@ -1,4 +1,4 @@
-package bench
+package childproc
 
 import (
 	"bufio"
@@ -12,28 +12,29 @@ import (
 	"time"
 )
 
-// TestNodeDiesWithBench: a node started as launch starts one (nodeAttr,
-// startNode) dies when the process that started it is killed without
-// stopping it. The test binary runs itself as that process, which starts a
-// long sleep as its "node", prints the node's pid and waits to be killed.
-func TestNodeDiesWithBench(t *testing.T) {
-	if os.Getenv("MESHNODE_BENCH_TEST_PARENT") == "1" {
+// TestChildDiesWithParent: a child that Start started dies when the
+// process that started it is killed without stopping it. The test binary
+// runs itself as that process, which starts a long sleep as its child (in
+// a process group of its own, as the mesh bench starts its nodes), prints
+// the child's pid and waits to be killed.
+func TestChildDiesWithParent(t *testing.T) {
+	if os.Getenv("MESHNODE_CHILDPROC_TEST_PARENT") == "1" {
 		cmd := exec.Command("sleep", "300")
-		cmd.SysProcAttr = nodeAttr()
-		p := &nodeProc{cmd: cmd, done: make(chan struct{})}
-		if err := startNode(p); err != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+		c, err := Start(cmd)
+		if err != nil {
 			fmt.Println("error", err)
 			os.Exit(1)
 		}
 		fmt.Println("node", cmd.Process.Pid)
-		<-p.done // until killed
+		c.Wait() // until killed
 		os.Exit(0)
 	}
 	if _, err := exec.LookPath("sleep"); err != nil {
 		t.Skip("no sleep(1) to stand in for a node")
 	}
-	parent := exec.Command(os.Args[0], "-test.run=^TestNodeDiesWithBench$")
-	parent.Env = append(os.Environ(), "MESHNODE_BENCH_TEST_PARENT=1")
+	parent := exec.Command(os.Args[0], "-test.run=^TestChildDiesWithParent$")
+	parent.Env = append(os.Environ(), "MESHNODE_CHILDPROC_TEST_PARENT=1")
 	out, err := parent.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

@@ -1,8 +1,0 @@
-//go:build !linux
-
-package meshtest
-
-import "os/exec"
-
-// detachable: elsewhere t.Cleanup alone ends the nodes.
-func detachable(*exec.Cmd) {}
