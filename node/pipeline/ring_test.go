@@ -178,16 +178,24 @@ func TestRingOldServer(t *testing.T) {
 	}
 }
 
-// TestRingRefused: an offer without shared memory beside it is refused
-// with a reason, and the stream goes on over the socket.
-func TestRingRefused(t *testing.T) {
-	path, _ := serveSockets(t, echoStage(), SocketServerConfig{})
+// dialRaw connects to a socket server at path, for a test that speaks the
+// protocol by hand; it gives the connection 10 s.
+func dialRaw(t *testing.T, path string) net.Conn {
+	t.Helper()
 	c, err := net.Dial("unix", path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	t.Cleanup(func() { c.Close() })
 	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	return c
+}
+
+// TestRingRefused: an offer without shared memory beside it is refused
+// with a reason, and the stream goes on over the socket.
+func TestRingRefused(t *testing.T) {
+	path, _ := serveSockets(t, echoStage(), SocketServerConfig{})
+	c := dialRaw(t, path)
 	if _, err := c.Write(rawMessage(socketOpen, []byte(meshnodev1.StageService_Forward_FullMethodName+ringOffer))); err != nil {
 		t.Fatal(err)
 	}
@@ -342,12 +350,7 @@ func TestRingPayloadAligned(t *testing.T) {
 // a reason; the stream stays on its socket.
 func TestRingUnsealed(t *testing.T) {
 	path, _ := serveSockets(t, echoStage(), SocketServerConfig{})
-	c, err := net.Dial("unix", path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	c := dialRaw(t, path)
 	fd, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC)
 	if err != nil {
 		t.Fatal(err)
