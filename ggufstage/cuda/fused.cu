@@ -60,6 +60,7 @@ constexpr int kSplits = 32;
 constexpr int kU = 8; // cells a warp loads at once
 constexpr int kCellsPerSplit = 64;
 constexpr int kAttnThreads = 256;
+constexpr int kClusterSplits = 8; // the most blocks of a portable cluster
 // Per row (sequence) of a pass: pos, loc, n, token, and where its cells
 // start, counted from the first row's parameters. The rows' cells, one
 // list after another, end where the parameters begin, and a stage's
@@ -1128,6 +1129,10 @@ struct AttnArgs {
 	int cellsPerSplit; // cells a block takes, until maxSplits blocks share a head
 	int maxSplits;     // at most kSplits: by default as many as let all heads run at once
 	int neox;          // mf_config.rope_neox
+	// attention: the splits of a head are one cluster (at most
+	// kClusterSplits), and they merge through its first block's shared
+	// memory, not global memory (see attention).
+	int clusterMerge;
 	float ropeBase, freqScale, scale;
 	// attentionRows: where the O projection's gemvMMA reads its quantized
 	// input (GemvArgs.img, with its xqRow, xdsRow and rowsCap), or null.
@@ -1161,6 +1166,7 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	constexpr int D = HD / 32;
 	__shared__ float q[HD], kn[HD], vn[HD];
 	__shared__ float wm[kAttnThreads / 32], wl[kAttnThreads / 32], wacc[kAttnThreads / 32][HD];
+	__shared__ float cpart[kClusterSplits][HD + 2]; // clusterMerge: each split's M, L and sums, in rank 0's
 	__shared__ int last;
 	pdlLaunchNext();
 	// The step's parameters (copied before the graph ran) and the earlier
@@ -1306,12 +1312,38 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 			}
 		if (active == 1) {
 			out[h * HD + tid] = A / L;
+		} else if (a.clusterMerge) {
+			float *to = inBlock(&cpart[s][0], 0);
+			to[2 + tid] = A;
+			if (tid == 0) to[0] = M, to[1] = L;
 		} else {
 			mine[2 + tid] = A;
 			if (tid == 0) mine[0] = M, mine[1] = L;
 		}
 	}
 	if (active == 1) return;
+	if (a.clusterMerge) {
+		// A cluster barrier orders the splits' writes to rank 0's shared
+		// memory before its reads; blocks past active have exited, which
+		// releases it.
+		clusterSync();
+		if (s != 0) return;
+		if (warp == 0) {
+			const float mi = lane < active ? cpart[lane][0] : -INFINITY, li = lane < active ? cpart[lane][1] : 0.f;
+			float M = mi;
+			for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+			const float c = mi == -INFINITY ? 0.f : __expf(mi - M);
+			const float L = warpSum(li * c);
+			if (lane < kClusterSplits) wm[lane] = c / L;
+		}
+		__syncthreads();
+		if (tid < HD) {
+			float A = 0.f;
+			for (int i = 0; i < active; i++) A += cpart[i][2 + tid] * wm[i];
+			out[h * HD + tid] = A;
+		}
+		return;
+	}
 	__threadfence();
 	__syncthreads();
 	if (tid == 0) last = atomicAdd(counter + h, 1) == active - 1;
@@ -1722,6 +1754,17 @@ struct mf_engine {
 	int cluster = 2; // GemvArgs.cluster, from MESHNODE_FUSED_CLUSTER (1: none)
 	bool clusterFfn = false; // down's one-row mat-vecs take clusters (clustersFit)
 	int attnCells = kCellsPerSplit; // AttnArgs.cellsPerSplit, from MESHNODE_FUSED_ATTN_CELLS
+	// One-row passes whose cells take two to attnSplits splits of one
+	// round each run graph execMerge, whose splits merge in clusters
+	// (AttnArgs.clusterMerge); MESHNODE_FUSED_ATTN_CLUSTER=0 turns it off.
+	// Attention's share of an 8B step (the gap between its end and QKV's,
+	// run 234): 4.11 and 4.84 us at 192 and 320 cells in clusters, 4.93
+	// and 5.46 merged through global memory. Clusters start later than
+	// lone blocks (their blocks must fit at once), so other passes keep
+	// them out: 3.09 against 2.40 us at 64 cells, 16.4 against 10.7 at
+	// 2048.
+	bool mergeInClusters = false;
+	cudaGraphExec_t execMerge = nullptr;
 	// AttnArgs.maxSplits: splits per head that let every head's blocks run
 	// in one wave (MESHNODE_FUSED_ATTN_WAVES=0: kSplits). Run 54, 576
 	// cells: 9 splits of 64 cells (two waves) took 9.1 us, 6 of 96 6.7.
@@ -1750,15 +1793,15 @@ namespace {
 // launch queues a kernel that may begin before the one before it ends
 // (see pdlWait).
 // clusterAttr is the launch attribute of clusters of n blocks.
-cudaLaunchAttribute clusterAttr(int n) {
+cudaLaunchAttribute clusterAttr(dim3 n) {
 	cudaLaunchAttribute at;
 	at.id = cudaLaunchAttributeClusterDimension;
-	at.val.clusterDim.x = n, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
+	at.val.clusterDim.x = n.x, at.val.clusterDim.y = n.y, at.val.clusterDim.z = n.z;
 	return at;
 }
 
 template <typename Args>
-void launch(mf_engine *e, void (*kernel)(Args), dim3 grid, int threads, size_t smem, Args args, int cluster = 1) {
+void launch(mf_engine *e, void (*kernel)(Args), dim3 grid, int threads, size_t smem, Args args, dim3 cluster = dim3(1, 1, 1)) {
 	cudaLaunchConfig_t cfg = {};
 	cfg.gridDim = grid;
 	cfg.blockDim = dim3(threads);
@@ -1769,7 +1812,7 @@ void launch(mf_engine *e, void (*kernel)(Args), dim3 grid, int threads, size_t s
 	at[0].val.programmaticStreamSerializationAllowed = e->pdl;
 	at[1] = clusterAttr(cluster);
 	cfg.attrs = at;
-	cfg.numAttrs = cluster > 1 ? 2 : 1;
+	cfg.numAttrs = cluster.x * cluster.y * cluster.z > 1 ? 2 : 1;
 	cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
@@ -1926,7 +1969,7 @@ bool clustersFit(mf_engine *e, int k) {
 	cfg.gridDim = dim3(e->sms * blocksPerSM(a, e->smemSM));
 	cfg.blockDim = dim3(a.threads);
 	cfg.dynamicSmemBytes = gemvSmem(a);
-	cudaLaunchAttribute at = clusterAttr(e->cluster);
+	cudaLaunchAttribute at = clusterAttr(dim3(e->cluster));
 	cfg.attrs = &at, cfg.numAttrs = 1;
 	int clusters = 0;
 	if (cudaOccupancyMaxActiveClusters(&clusters, gemvFor(a), &cfg) != cudaSuccess) {
@@ -1987,13 +2030,13 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 	if (a.kParts > 1) a.kpart = e->kpart, a.kcount = e->kcount, grid = std::max(2, grid & ~1); // even: a half each
 	if (nrows == 1 && type == MF_Q4_0 && !norm && k == e->c.ffn && e->clusterFfn && grid % e->cluster == 0 && !(a.debug & 1))
 		a.cluster = e->cluster;
-	launch(e, gemvFor(a), grid, a.threads, smem, a, a.cluster > 1 ? a.cluster : 1);
+	launch(e, gemvFor(a), grid, a.threads, smem, a, dim3(a.cluster > 1 ? a.cluster : 1));
 }
 
 // launchAttention queues a layer's attention; with quantizeO (a pass of
 // several rows whose O projection is one gemvMMA launch), attentionRows
 // also writes O's quantized input, and it says whether it did.
-bool launchAttention(mf_engine *e, const mf_layer &L, int nrows, bool quantizeO = false) {
+bool launchAttention(mf_engine *e, const mf_layer &L, int nrows, bool quantizeO = false, bool clusterMerge = false) {
 	AttnArgs a{};
 	a.qkv = e->qkv, a.kc = (__half *)L.k, a.vc = (__half *)L.v, a.params = e->params, a.out = e->att;
 	a.part = e->part, a.counter = e->counter, a.nHead = e->c.n_head, a.nKV = e->c.n_kv_head;
@@ -2018,11 +2061,9 @@ bool launchAttention(mf_engine *e, const mf_layer &L, int nrows, bool quantizeO 
 		launch(e, k, grid, kAttnThreads, 0, a);
 		return quantizeO;
 	}
-	dim3 grid(e->c.n_head, a.maxSplits, nrows);
-	if (e->c.head_dim == 128)
-		launch(e, attention<128>, grid, kAttnThreads, 0, a);
-	else
-		launch(e, attention<64>, grid, kAttnThreads, 0, a);
+	a.clusterMerge = clusterMerge && nrows == 1;
+	const dim3 grid(e->c.n_head, a.maxSplits, nrows), cluster(1, a.clusterMerge ? a.maxSplits : 1, 1);
+	launch(e, e->c.head_dim == 128 ? attention<128> : attention<64>, grid, kAttnThreads, 0, a, cluster);
 	return false;
 }
 
@@ -2033,7 +2074,7 @@ bool launchAttention(mf_engine *e, const mf_layer &L, int nrows, bool quantizeO 
 // next kernels' weights did not fill those gaps (runs 99-100, 8B on an
 // H200): 8 MB ahead changed nothing, 16 to 64 MB made a step 7-19% slower,
 // and prefetching from the attention kernels alone 0-7% slower.
-void enqueue(mf_engine *e, int n) {
+void enqueue(mf_engine *e, int n, bool clusterMerge) {
 	const mf_config &c = e->c;
 	const int qd = c.n_head * c.head_dim, kvd = c.n_kv_head * c.head_dim;
 	if (e->first)
@@ -2048,7 +2089,7 @@ void enqueue(mf_engine *e, int n) {
 		// sixteen 6.10 against 6.21; of the 32B model 11.52 against 11.70
 		// and 19.88 against 20.11 (run 126).
 		const bool oneO = n > 1 && oneLaunch(e, MF_Q4_0, qd, nullptr, n);
-		const bool quantized = launchAttention(e, L, n, oneO && e->quantO);
+		const bool quantized = launchAttention(e, L, n, oneO && e->quantO, clusterMerge);
 		launchGemv(e, n, L.wo, nullptr, nullptr, c.embd, 0, 0, qd, MF_Q4_0, e->att, nullptr, e->x, c.embd, kAdd, nullptr, quantized);
 		launchGemv(e, n, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, c.ffn,
 		           kSwiGLU);
@@ -2059,24 +2100,27 @@ void enqueue(mf_engine *e, int n) {
 		           c.vocab, kStore);
 }
 
-// graphFor returns the graph of a pass of n rows, capturing it at first use.
-cudaError_t graphFor(mf_engine *e, int n, cudaGraphExec_t *out) {
-	if (!e->exec[n]) {
+// graphFor returns the graph of a pass of n rows, capturing it at first
+// use; clusterMerge: the one-row graph whose attention merges its splits in
+// clusters (mf_engine.execMerge).
+cudaError_t graphFor(mf_engine *e, int n, cudaGraphExec_t *out, bool clusterMerge = false) {
+	cudaGraphExec_t &slot = clusterMerge && n == 1 ? e->execMerge : e->exec[n];
+	if (!slot) {
 		cudaGraph_t graph;
 		cudaError_t ce = cudaStreamBeginCapture(e->stream, cudaStreamCaptureModeThreadLocal);
 		if (ce != cudaSuccess) return ce;
-		enqueue(e, n);
+		enqueue(e, n, clusterMerge && n == 1);
 		ce = cudaGetLastError();
 		const cudaError_t endErr = cudaStreamEndCapture(e->stream, &graph);
 		if (ce != cudaSuccess || endErr != cudaSuccess) return ce != cudaSuccess ? ce : endErr;
-		ce = cudaGraphInstantiateWithFlags(&e->exec[n], graph, 0);
+		ce = cudaGraphInstantiateWithFlags(&slot, graph, 0);
 		cudaGraphDestroy(graph);
 		if (ce != cudaSuccess) {
-			e->exec[n] = nullptr;
+			slot = nullptr;
 			return ce;
 		}
 	}
-	*out = e->exec[n];
+	*out = slot;
 	return cudaSuccess;
 }
 
@@ -2238,6 +2282,19 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		e->attnSplitsRows = group <= 8 ? std::max(1, std::min(kSplits, perSMRows * e->sms / (c.n_kv_head * kTileRows)))
 		                               : std::max(1, e->attnSplits / 4);
 		if (const char *v = getenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS")) e->attnSplitsRows = std::max(1, std::min(kSplits, atoi(v)));
+		// Clusters of a head's splits, where the code has them and the
+		// device takes clusters of that many of its blocks.
+		const char *v = getenv("MESHNODE_FUSED_ATTN_CLUSTER");
+		if (e->codeArch >= 900 && e->attnSplits >= 2 && e->attnSplits <= kClusterSplits && !(v && atoi(v) == 0)) {
+			cudaLaunchConfig_t cfg = {};
+			cfg.gridDim = dim3(c.n_head, e->attnSplits, 1), cfg.blockDim = dim3(kAttnThreads);
+			cudaLaunchAttribute at = clusterAttr(dim3(1, e->attnSplits, 1));
+			cfg.attrs = &at, cfg.numAttrs = 1;
+			int clusters = 0;
+			if (cudaOccupancyMaxActiveClusters(&clusters, c.head_dim == 128 ? attention<128> : attention<64>, &cfg) == cudaSuccess)
+				e->mergeInClusters = clusters > 0;
+			cudaGetLastError(); // an error only means no clusters
+		}
 	}
 	const int R = kMaxRows;
 	CE(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
@@ -2290,7 +2347,7 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	}
 
 	cudaGraphExec_t one;
-	if ((ce = graphFor(e, 1, &one)) != cudaSuccess) {
+	if ((ce = graphFor(e, 1, &one)) != cudaSuccess || (e->mergeInClusters && (ce = graphFor(e, 1, &one, true)) != cudaSuccess)) {
 		errf(err, errlen, "making the decode graph: %s", cudaGetErrorString(ce));
 		return fail();
 	}
@@ -2350,7 +2407,10 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 	}
 	CK(cudaSetDevice(c.device));
 	cudaGraphExec_t exec;
-	CK(graphFor(e, rows, &exec));
+	// Splits of one round each, two or more: merged in clusters.
+	const bool merge = rows == 1 && e->mergeInClusters && ncells[0] > e->attnCells && ncells[0] <= e->attnCells * e->attnSplits &&
+	                   e->attnCells <= kU * kAttnThreads / 32;
+	CK(graphFor(e, rows, &exec, merge));
 	if (e->timing && !e->ev0) {
 		CK(cudaEventCreate(&e->evIn));
 		CK(cudaEventCreate(&e->ev0));
@@ -2543,6 +2603,7 @@ extern "C" void mf_destroy(mf_engine *e) {
 	if (e->stream) cudaStreamSynchronize(e->stream);
 	for (cudaGraphExec_t x : e->exec)
 		if (x) cudaGraphExecDestroy(x);
+	if (e->execMerge) cudaGraphExecDestroy(e->execMerge);
 	cudaFree(e->input), cudaFree(e->qkv), cudaFree(e->att), cudaFree(e->act), cudaFree(e->logits);
 	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->img), cudaFree(e->kpart), cudaFree(e->kcount);
 	cudaFree(e->pickV), cudaFree(e->pickAt);

@@ -660,7 +660,7 @@ static int bench(bool big) {
 	const double fileBytes = bytes + embdBytes;
 	printf("bench %s-class: %.3f GB read per token (file %.3f GB), copy bandwidth %.0f GB/s\n", big ? "32B" : "8B",
 	       bytes / 1e9, fileBytes / 1e9, bw / 1e9);
-	for (int n : {64, 2048, 576}) {
+	for (int n : {64, 192, 320, 2048, 576}) {
 		std::vector<int> used(n);
 		for (int i = 0; i < n; i++) used[i] = i;
 		const int loc = n;
@@ -722,17 +722,25 @@ int main(int argc, char **argv) {
 	if (!strcmp(what, "check") || !strcmp(what, "all")) {
 		// Query heads per KV head 4, 4, 5, 1, 8, 3; one split of the cache
 		// and several (see AttnArgs.cellsPerSplit); the Q6_K head's rows
-		// copied in pieces of 16, 4 and 8 bytes (copyWidth).
-		bad |= check(2048, 16, 4, 128, 100);
-		bad |= check(2048, 32, 8, 64, 100);
-		bad |= check(2560, 20, 4, 128, 200);
-		bad |= check(2048, 8, 8, 64, 20);
-		bad |= check(2048, 16, 2, 128, 150);
-		bad |= check(3072, 24, 8, 128, 220);
-		bad |= check(5120, 40, 8, 128, 90);
-		// q, k and v biases and NeoX rotation (qwen2).
-		bad |= check(2048, 16, 2, 128, 120, true);
-		bad |= check(2048, 32, 4, 64, 40, true);
+		// copied in pieces of 16, 4 and 8 bytes (copyWidth). Twice: with
+		// the splits of a head merged in clusters where they may be
+		// (mf_engine.execMerge) and without, on the same models.
+		for (const char *clusters : {"0", ""}) {
+			rng.seed(42);
+			setenv("MESHNODE_FUSED_ATTN_CLUSTER", clusters, 1);
+			if (!*clusters) unsetenv("MESHNODE_FUSED_ATTN_CLUSTER");
+			printf("one-row checks, splits merged in clusters %s\n", *clusters ? "off" : "where they may be");
+			bad |= check(2048, 16, 4, 128, 100);
+			bad |= check(2048, 32, 8, 64, 100);
+			bad |= check(2560, 20, 4, 128, 200);
+			bad |= check(2048, 8, 8, 64, 20);
+			bad |= check(2048, 16, 2, 128, 150);
+			bad |= check(3072, 24, 8, 128, 220);
+			bad |= check(5120, 40, 8, 128, 90);
+			// q, k and v biases and NeoX rotation (qwen2).
+			bad |= check(2048, 16, 2, 128, 120, true);
+			bad |= check(2048, 32, 4, 64, 40, true);
+		}
 		// Several sequences in one pass.
 		bad |= checkPicks();
 		bad |= checkRows(2048, 16, 4, 128, 3);
