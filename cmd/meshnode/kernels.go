@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // kernelStat is one kernel at one launch shape in a ktrace file
@@ -20,11 +21,20 @@ type kernelStat struct {
 	ns, calls  uint64
 }
 
+// kernelRun is one run of a kernel from a ktrace file's R records
+// (KTRACE_RAW): its start and end on the GPU's clock, in ns, and its
+// name|grid|block.
+type kernelRun struct {
+	start, end uint64
+	key        string
+}
+
 // kernelTrace is what one or more ktrace files hold.
 type kernelTrace struct {
 	kernels []kernelStat
 	// busy is GPU time by 100 ms of the trace, from its first kernel.
 	busy map[int]uint64
+	runs []kernelRun
 }
 
 // readKernelTrace parses a ktrace file into t, adding to what t holds.
@@ -55,6 +65,11 @@ func readKernelTrace(r io.Reader, t *kernelTrace) error {
 				return bad("want B <bucket> <ns> <calls>")
 			}
 			t.busy[int(a)] += b
+		case "R":
+			if errA != nil || errB != nil || b < a || !strings.Contains(f[3], "|") {
+				return bad("want R <start ns> <end ns> <name>|<grid>|<block>")
+			}
+			t.runs = append(t.runs, kernelRun{start: a, end: b, key: f[3]})
 		default:
 			return bad("unknown record")
 		}
@@ -84,11 +99,18 @@ libmeshnode-ktrace.so, KTRACE_DIR a folder; one k.<pid>.txt per process):
 GPU time per kernel and launch grid, largest first, and how busy the GPU
 was. With --per N every time is also divided by N (the tokens or steps the
 traced run made). Kernel names are demangled with c++filt when it is on
-the PATH. Tracing adds host time to every launch: read shares, not speed.`, `  KTRACE_DIR=/tmp/kt CUDA_INJECTION64_PATH=bin/lib/libmeshnode-ktrace.so \
+the PATH. Tracing adds host time to every launch: read shares, not speed.
+Where the tracer also kept each run (KTRACE_RAW=N: the first N kernels),
+it splits them into steps at the GPU's idle gaps and shows the most common
+step kernel by kernel: each kernel's share (its end after the end of the
+one before; kernels overlap under programmatic dependent launch, so their
+durations add up to more than a step), with a model's repeating layers
+folded into one.`, `  KTRACE_DIR=/tmp/kt KTRACE_RAW=200000 CUDA_INJECTION64_PATH=bin/lib/libmeshnode-ktrace.so \
     meshnode bench --model /tmp/8b.gguf --device cuda --streams 1 --decode 400 --no-reference
   meshnode dev kernel-report --per 400 --top 15 /tmp/kt/k.*.txt`)
 	per := fs.Float64("per", 0, "divide times by this many tokens or steps (0: totals only)")
 	top := fs.Int("top", 30, "kernels to list")
+	gap := fs.Duration("step-gap", 15*time.Microsecond, "with R records (KTRACE_RAW): the idle time of the GPU that ends a step")
 	// The files may come before, between or after the flags, all of which
 	// take a value.
 	var files, flags []string
@@ -123,7 +145,11 @@ the PATH. Tracing adds host time to every launch: read shares, not speed.`, `  K
 			return fmt.Errorf("%s: %w", path, err)
 		}
 	}
-	return writeKernelReport(os.Stdout, &t, *per, *top, demangle)
+	if err := writeKernelReport(os.Stdout, &t, *per, *top, demangle); err != nil {
+		return err
+	}
+	writeStepTimeline(os.Stdout, &t, uint64(gap.Nanoseconds()), demangle)
+	return nil
 }
 
 // writeKernelReport prints t, its names through names.
@@ -172,6 +198,156 @@ func writeKernelReport(w io.Writer, t *kernelTrace, per float64, top int, names 
 	return nil
 }
 
+// stepShare is one place in a step: its kernel, and the medians over the
+// steps of its share (its end minus the end of the kernel before it, the
+// first kernel's whole run) and its duration, in ns. Kernels that overlap
+// (programmatic dependent launch) start before the one before them ends,
+// so their durations add up to more than a step; their shares add up to
+// the step.
+type stepShare struct {
+	key        string
+	share, dur float64
+}
+
+// stepShares splits runs into steps where the GPU stayed idle for at least
+// gap ns, keeps the steps of the most common kernel sequence, and gives
+// that sequence's shares, with how many steps it had and the median step
+// (first start to last end).
+func stepShares(runs []kernelRun, gap uint64) (steps int, step float64, shares []stepShare) {
+	rs := slices.Clone(runs)
+	slices.SortFunc(rs, func(a, b kernelRun) int {
+		if a.start != b.start {
+			if a.start < b.start {
+				return -1
+			}
+			return 1
+		}
+		return strings.Compare(a.key, b.key)
+	})
+	var all [][]kernelRun
+	var end uint64
+	for i, r := range rs {
+		if i == 0 || r.start > end+gap {
+			all = append(all, nil)
+		}
+		all[len(all)-1] = append(all[len(all)-1], r)
+		end = max(end, r.end)
+	}
+	count := map[string]int{}
+	seq := func(s []kernelRun) string {
+		keys := make([]string, len(s))
+		for i, r := range s {
+			keys[i] = r.key
+		}
+		return strings.Join(keys, "\n")
+	}
+	best := ""
+	for _, s := range all {
+		k := seq(s)
+		count[k]++
+		if count[k] > count[best] || (count[k] == count[best] && k < best) {
+			best = k
+		}
+	}
+	var kept [][]kernelRun
+	for _, s := range all {
+		if seq(s) == best {
+			kept = append(kept, s)
+		}
+	}
+	if len(kept) == 0 {
+		return 0, 0, nil
+	}
+	median := func(v []float64) float64 {
+		slices.Sort(v)
+		if len(v)%2 == 1 {
+			return v[len(v)/2]
+		}
+		return (v[len(v)/2-1] + v[len(v)/2]) / 2
+	}
+	n := len(kept[0])
+	shares = make([]stepShare, n)
+	for p := range n {
+		sh, du := make([]float64, len(kept)), make([]float64, len(kept))
+		for i, s := range kept {
+			prev := s[p].start
+			if p > 0 {
+				prev = s[p-1].end
+			}
+			sh[i], du[i] = float64(s[p].end)-float64(prev), float64(s[p].end-s[p].start)
+		}
+		shares[p] = stepShare{key: kept[0][p].key, share: median(sh), dur: median(du)}
+	}
+	spans := make([]float64, len(kept))
+	for i, s := range kept {
+		spans[i] = float64(s[len(s)-1].end - s[0].start)
+	}
+	return len(kept), median(spans), shares
+}
+
+// repeats finds the longest stretch of keys that repeats a period of more
+// than one place at least twice (a model's layers): from, the period and
+// how many times; times 0 where nothing repeats. Of equal stretches the
+// shortest period wins.
+func repeats(keys []string) (from, period, times int) {
+	for p := 1; p <= len(keys)/2; p++ {
+		for a := 0; a+2*p <= len(keys); a++ {
+			k := 1
+			for a+(k+1)*p <= len(keys) && slices.Equal(keys[a+(k-1)*p:a+k*p], keys[a+k*p:a+(k+1)*p]) {
+				k++
+			}
+			if k >= 2 && k*p > times*period {
+				from, period, times = a, p, k
+			}
+		}
+	}
+	return from, period, times
+}
+
+// writeStepTimeline prints the shares of the most common step in t.runs.
+func writeStepTimeline(w io.Writer, t *kernelTrace, gap uint64, names func([]string) []string) {
+	steps, span, shares := stepShares(t.runs, gap)
+	if steps == 0 {
+		return
+	}
+	keys := make([]string, len(shares))
+	raw := make([]string, len(shares))
+	for i, s := range shares {
+		keys[i] = s.key
+		raw[i], _, _ = strings.Cut(s.key, "|")
+	}
+	shown := names(raw)
+	fmt.Fprintf(w, "\nsteps (R records, a step ending at an idle gap of %.0f µs): %d steps of %d kernels, the most common sequence; a step %.1f µs (median)\n",
+		float64(gap)/1e3, steps, len(shares), span/1e3)
+	fmt.Fprintf(w, "%10s %9s  %-14s %s\n", "share µs", "µs", "grid", "kernel (share: its end after the end of the one before)")
+	line := func(prefix string, share, dur float64, i int) {
+		_, grid, _ := strings.Cut(shares[i].key, "|")
+		grid, _, _ = strings.Cut(grid, "|")
+		fmt.Fprintf(w, "%s%10.2f %9.2f  %-14s %s\n", prefix, share/1e3, dur/1e3, grid, shown[i])
+	}
+	from, period, times := repeats(keys)
+	for i := 0; i < len(shares); i++ {
+		if times == 0 || i != from {
+			line("", shares[i].share, shares[i].dur, i)
+			continue
+		}
+		var sum float64
+		for j := from; j < from+period*times; j++ {
+			sum += shares[j].share
+		}
+		fmt.Fprintf(w, "%d× these %d (%.1f µs a time, means of the times):\n", times, period, sum/float64(times)/1e3)
+		for q := range period {
+			var sh, du float64
+			for k := range times {
+				sh += shares[from+k*period+q].share
+				du += shares[from+k*period+q].dur
+			}
+			line("  ", sh/float64(times), du/float64(times), from+q)
+		}
+		i = from + period*times - 1
+	}
+}
+
 // demangle turns C++ symbols into names through c++filt, dropping the
 // parameter lists; without c++filt the symbols stay as they are.
 func demangle(syms []string) []string {
@@ -199,6 +375,8 @@ func demangle(syms []string) []string {
 // shortSignature drops a demangled function's parameter list and return
 // type: "void f<int, 2>(float const*, int)" is "f<int, 2>".
 func shortSignature(s string) string {
+	// Kernels in an unnamed namespace (fused.cu's): their names without it.
+	s = strings.ReplaceAll(s, "(anonymous namespace)::", "")
 	depth := 0
 	for i, r := range s {
 		switch r {

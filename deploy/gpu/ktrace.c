@@ -12,6 +12,12 @@
 //   K <ns> <calls> <name>|<grid x,y,z>|<block x,y>   time per kernel and launch shape
 //   B <i> <ns> <calls>                               GPU time of kernels started in the i-th 100 ms
 //
+// With KTRACE_RAW=N it also keeps the first N kernels' own times, for a
+// timeline (kernels that overlap under PDL show it; the gaps between their
+// ends are each kernel's share of a step):
+//
+//   R <start ns> <end ns> <name>|<grid>|<block>                  in CUPTI's order
+//
 // deploy/gpu/build-cuda.sh builds it where the CUDA toolkit has CUPTI;
 // by hand: gcc -O2 -shared -fPIC -DKREC=CUpti_ActivityKernelN (the newest
 // its cupti_activity.h defines) -I<cupti include> ktrace.c -lcupti.
@@ -37,6 +43,11 @@ static struct {
 static unsigned long long busy[NBUCKETS], started[NBUCKETS];
 static unsigned long long first;  // CUPTI timestamp of the first kernel
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static struct raw {
+  unsigned long long start, end;
+  const char *key;  // kernels[].key: kept for the process's life
+} *raws;
+static long nraw, maxraw;
 
 static void CUPTIAPI give_buffer(uint8_t **buf, size_t *size, size_t *max_records) {
   *size = 8 << 20;
@@ -58,6 +69,7 @@ static void record(const char *key, unsigned long long start, unsigned long long
     if (kernels[h].key && !strcmp(kernels[h].key, key)) {
       kernels[h].ns += end - start;
       kernels[h].calls++;
+      if (nraw < maxraw) raws[nraw++] = (struct raw){start, end, kernels[h].key};
       break;
     }
   }
@@ -98,6 +110,7 @@ static void dump(void) {
     if (kernels[i].key) fprintf(f, "K %llu %llu %s\n", kernels[i].ns, kernels[i].calls, kernels[i].key);
   for (int b = 0; b < NBUCKETS; b++)
     if (started[b]) fprintf(f, "B %d %llu %llu\n", b, busy[b], started[b]);
+  for (long i = 0; i < nraw; i++) fprintf(f, "R %llu %llu %s\n", raws[i].start, raws[i].end, raws[i].key);
   pthread_mutex_unlock(&mu);
   if (fclose(f) == 0) rename(tmp, path);
 }
@@ -112,6 +125,12 @@ static void *flusher(void *arg) {
   return NULL;
 }
 
+// finish writes what is left at a C program's exit (Go's skip it).
+static void finish(void) {
+  cuptiActivityFlushAll(1);
+  dump();
+}
+
 // InitializeInjection is what CUDA calls in a library named by
 // CUDA_INJECTION64_PATH, when the process first initializes CUDA.
 int InitializeInjection(void) {
@@ -120,6 +139,9 @@ int InitializeInjection(void) {
     fprintf(stderr, "ktrace: CUPTI refused to trace kernels\n");
     return 0;
   }
+  const char *raw = getenv("KTRACE_RAW");
+  if (raw && atol(raw) > 0 && (raws = calloc((size_t)atol(raw), sizeof *raws))) maxraw = atol(raw);
+  atexit(finish);
   pthread_t t;
   if (pthread_create(&t, NULL, flusher, NULL) != 0) return 0;
   pthread_detach(t);
