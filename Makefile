@@ -11,9 +11,15 @@ OLLAMA_DIR = $(shell $(GO) list -m -f '{{.Dir}}' github.com/ollama/ollama)
 MARCH     ?= native
 GGML_INC   = -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/include -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/src
 
+# ggml-cpu.cpp calls its AMX buffer type where the target has AMX-INT8
+# (-march=native on Sapphire Rapids and later), but the ollama module
+# builds no AMX sources: without -mno-amx-int8 every binary fails to link
+# there. Compilers too old to know the flag know no AMX either.
+NOAMX     := $(shell $(or $(CC),cc) -mno-amx-int8 -E -x c /dev/null >/dev/null 2>&1 && echo -mno-amx-int8)
+
 export CGO_ENABLED  = 1
-export CGO_CFLAGS   = -O3 -march=$(MARCH)
-export CGO_CXXFLAGS = -O3 -march=$(MARCH)
+export CGO_CFLAGS   = -O3 -march=$(MARCH) $(NOAMX)
+export CGO_CXXFLAGS = -O3 -march=$(MARCH) $(NOAMX)
 export CGO_CPPFLAGS = -DGGML_USE_CPU_REPACK $(GGML_INC)
 TAGS      ?= repack
 
