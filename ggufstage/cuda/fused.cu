@@ -1763,8 +1763,14 @@ struct mf_engine {
 	// lone blocks (their blocks must fit at once), so other passes keep
 	// them out: 3.09 against 2.40 us at 64 cells, 16.4 against 10.7 at
 	// 2048.
+	// A step takes clusters of as many blocks as it has splits, one graph
+	// each: with clusters of eight whose unused blocks exit, fused_check's
+	// steps at 192 / 320 cells took 1.688-1.717 / 1.734-1.760 ms, with
+	// clusters that fit 1.667-1.672 / 1.687-1.689, the same bits (run 240).
+	// execMerge[k]: the graph of k splits a head, in clusters of k.
 	bool mergeInClusters = false;
-	cudaGraphExec_t execMerge = nullptr;
+	bool mergeFit = true; // MESHNODE_FUSED_ATTN_CLUSTER_FIT=0: clusters of attnSplits, blocks past a step's splits exiting
+	cudaGraphExec_t execMerge[kClusterSplits + 1] = {};
 	// AttnArgs.maxSplits: splits per head that let every head's blocks run
 	// in one wave (MESHNODE_FUSED_ATTN_WAVES=0: kSplits). Run 54, 576
 	// cells: 9 splits of 64 cells (two waves) took 9.1 us, 6 of 96 6.7.
@@ -2036,7 +2042,7 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 // launchAttention queues a layer's attention; with quantizeO (a pass of
 // several rows whose O projection is one gemvMMA launch), attentionRows
 // also writes O's quantized input, and it says whether it did.
-bool launchAttention(mf_engine *e, const mf_layer &L, int nrows, bool quantizeO = false, bool clusterMerge = false) {
+bool launchAttention(mf_engine *e, const mf_layer &L, int nrows, bool quantizeO = false, int mergeSplits = 0) {
 	AttnArgs a{};
 	a.qkv = e->qkv, a.kc = (__half *)L.k, a.vc = (__half *)L.v, a.params = e->params, a.out = e->att;
 	a.part = e->part, a.counter = e->counter, a.nHead = e->c.n_head, a.nKV = e->c.n_kv_head;
@@ -2061,7 +2067,8 @@ bool launchAttention(mf_engine *e, const mf_layer &L, int nrows, bool quantizeO 
 		launch(e, k, grid, kAttnThreads, 0, a);
 		return quantizeO;
 	}
-	a.clusterMerge = clusterMerge && nrows == 1;
+	a.clusterMerge = mergeSplits > 1 && nrows == 1;
+	if (a.clusterMerge) a.maxSplits = mergeSplits;
 	const dim3 grid(e->c.n_head, a.maxSplits, nrows), cluster(1, a.clusterMerge ? a.maxSplits : 1, 1);
 	launch(e, e->c.head_dim == 128 ? attention<128> : attention<64>, grid, kAttnThreads, 0, a, cluster);
 	return false;
@@ -2074,7 +2081,7 @@ bool launchAttention(mf_engine *e, const mf_layer &L, int nrows, bool quantizeO 
 // next kernels' weights did not fill those gaps (runs 99-100, 8B on an
 // H200): 8 MB ahead changed nothing, 16 to 64 MB made a step 7-19% slower,
 // and prefetching from the attention kernels alone 0-7% slower.
-void enqueue(mf_engine *e, int n, bool clusterMerge) {
+void enqueue(mf_engine *e, int n, int mergeSplits) {
 	const mf_config &c = e->c;
 	const int qd = c.n_head * c.head_dim, kvd = c.n_kv_head * c.head_dim;
 	if (e->first)
@@ -2089,7 +2096,7 @@ void enqueue(mf_engine *e, int n, bool clusterMerge) {
 		// sixteen 6.10 against 6.21; of the 32B model 11.52 against 11.70
 		// and 19.88 against 20.11 (run 126).
 		const bool oneO = n > 1 && oneLaunch(e, MF_Q4_0, qd, nullptr, n);
-		const bool quantized = launchAttention(e, L, n, oneO && e->quantO, clusterMerge);
+		const bool quantized = launchAttention(e, L, n, oneO && e->quantO, mergeSplits);
 		launchGemv(e, n, L.wo, nullptr, nullptr, c.embd, 0, 0, qd, MF_Q4_0, e->att, nullptr, e->x, c.embd, kAdd, nullptr, quantized);
 		launchGemv(e, n, L.gate, L.up, nullptr, c.ffn, c.ffn, 0, c.embd, MF_Q4_0, e->x, (const float *)L.ffn_norm, e->act, c.ffn,
 		           kSwiGLU);
@@ -2101,15 +2108,16 @@ void enqueue(mf_engine *e, int n, bool clusterMerge) {
 }
 
 // graphFor returns the graph of a pass of n rows, capturing it at first
-// use; clusterMerge: the one-row graph whose attention merges its splits in
-// clusters (mf_engine.execMerge).
-cudaError_t graphFor(mf_engine *e, int n, cudaGraphExec_t *out, bool clusterMerge = false) {
-	cudaGraphExec_t &slot = clusterMerge && n == 1 ? e->execMerge : e->exec[n];
+// use; mergeSplits: the one-row graph whose attention takes that many
+// splits a head and merges them in clusters (mf_engine.execMerge).
+cudaError_t graphFor(mf_engine *e, int n, cudaGraphExec_t *out, int mergeSplits = 0) {
+	const bool merge = mergeSplits > 1 && mergeSplits <= kClusterSplits && n == 1;
+	cudaGraphExec_t &slot = merge ? e->execMerge[mergeSplits] : e->exec[n];
 	if (!slot) {
 		cudaGraph_t graph;
 		cudaError_t ce = cudaStreamBeginCapture(e->stream, cudaStreamCaptureModeThreadLocal);
 		if (ce != cudaSuccess) return ce;
-		enqueue(e, n, clusterMerge && n == 1);
+		enqueue(e, n, merge ? mergeSplits : 0);
 		ce = cudaGetLastError();
 		const cudaError_t endErr = cudaStreamEndCapture(e->stream, &graph);
 		if (ce != cudaSuccess || endErr != cudaSuccess) return ce != cudaSuccess ? ce : endErr;
@@ -2284,6 +2292,7 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		if (const char *v = getenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS")) e->attnSplitsRows = std::max(1, std::min(kSplits, atoi(v)));
 		// Clusters of a head's splits, where the code has them and the
 		// device takes clusters of that many of its blocks.
+		if (const char *f = getenv("MESHNODE_FUSED_ATTN_CLUSTER_FIT")) e->mergeFit = atoi(f) != 0;
 		const char *v = getenv("MESHNODE_FUSED_ATTN_CLUSTER");
 		if (e->codeArch >= 900 && e->attnSplits >= 2 && e->attnSplits <= kClusterSplits && !(v && atoi(v) == 0)) {
 			cudaLaunchConfig_t cfg = {};
@@ -2347,7 +2356,10 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	}
 
 	cudaGraphExec_t one;
-	if ((ce = graphFor(e, 1, &one)) != cudaSuccess || (e->mergeInClusters && (ce = graphFor(e, 1, &one, true)) != cudaSuccess)) {
+	ce = graphFor(e, 1, &one);
+	for (int k = e->mergeFit ? 2 : e->attnSplits; e->mergeInClusters && ce == cudaSuccess && k <= e->attnSplits; k++)
+		ce = graphFor(e, 1, &one, k);
+	if (ce != cudaSuccess) {
 		errf(err, errlen, "making the decode graph: %s", cudaGetErrorString(ce));
 		return fail();
 	}
@@ -2408,9 +2420,13 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 	CK(cudaSetDevice(c.device));
 	cudaGraphExec_t exec;
 	// Splits of one round each, two or more: merged in clusters.
-	const bool merge = rows == 1 && e->mergeInClusters && ncells[0] > e->attnCells && ncells[0] <= e->attnCells * e->attnSplits &&
+	// The splits a head takes (as attention counts them), in clusters of
+	// as many (mergeFit): a cluster of eight blocks whose unused ones exit
+	// still starts only where eight fit.
+	const int splits = std::min(e->attnSplits, std::max(1, (ncells[0] + e->attnCells - 1) / e->attnCells));
+	const bool merge = rows == 1 && e->mergeInClusters && splits > 1 && ncells[0] <= e->attnCells * e->attnSplits &&
 	                   e->attnCells <= kU * kAttnThreads / 32;
-	CK(graphFor(e, rows, &exec, merge));
+	CK(graphFor(e, rows, &exec, merge ? (e->mergeFit ? splits : e->attnSplits) : 0));
 	if (e->timing && !e->ev0) {
 		CK(cudaEventCreate(&e->evIn));
 		CK(cudaEventCreate(&e->ev0));
@@ -2603,7 +2619,8 @@ extern "C" void mf_destroy(mf_engine *e) {
 	if (e->stream) cudaStreamSynchronize(e->stream);
 	for (cudaGraphExec_t x : e->exec)
 		if (x) cudaGraphExecDestroy(x);
-	if (e->execMerge) cudaGraphExecDestroy(e->execMerge);
+	for (cudaGraphExec_t x : e->execMerge)
+		if (x) cudaGraphExecDestroy(x);
 	cudaFree(e->input), cudaFree(e->qkv), cudaFree(e->att), cudaFree(e->act), cudaFree(e->logits);
 	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->img), cudaFree(e->kpart), cudaFree(e->kcount);
 	cudaFree(e->pickV), cudaFree(e->pickAt);
