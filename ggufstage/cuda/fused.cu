@@ -1158,6 +1158,17 @@ __device__ void quantizeOut(const AttnArgs &a, const float *out, int first, int 
 	quantizeHalf<true>(v, first / 16 + h, h < halves, xq, xds);
 }
 
+// A split's weight in a head's merge, for the warp whose lane i holds
+// split i's running max mi and sum li (-inf and 0 past the splits): its
+// share of the softmax's denominator over all of them.
+__device__ __forceinline__ float splitWeight(float mi, float li) {
+	float M = mi;
+	for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+	const float c = mi == -INFINITY ? 0.f : __expf(mi - M);
+	const float L = warpSum(li * c);
+	return c / L;
+}
+
 // One block per (head, split, row). Ropes q and the new k, writes the new K and
 // V to their cell (one block per KV head does), and attends over its share
 // of the cells with an online softmax; the last split of a head to finish
@@ -1329,12 +1340,8 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 		clusterSync();
 		if (s != 0) return;
 		if (warp == 0) {
-			const float mi = lane < active ? cpart[lane][0] : -INFINITY, li = lane < active ? cpart[lane][1] : 0.f;
-			float M = mi;
-			for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-			const float c = mi == -INFINITY ? 0.f : __expf(mi - M);
-			const float L = warpSum(li * c);
-			if (lane < kClusterSplits) wm[lane] = c / L;
+			const float w = splitWeight(lane < active ? cpart[lane][0] : -INFINITY, lane < active ? cpart[lane][1] : 0.f);
+			if (lane < kClusterSplits) wm[lane] = w;
 		}
 		__syncthreads();
 		if (tid < HD) {
@@ -1359,11 +1366,8 @@ template <int HD> __global__ void __launch_bounds__(kAttnThreads) attention(Attn
 	if (warp == 0) {
 		const float mi = lane < active ? __ldcg(all + lane * (HD + 2)) : -INFINITY;
 		const float li = lane < active ? __ldcg(all + lane * (HD + 2) + 1) : 0.f;
-		float M = mi;
-		for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-		const float c = mi == -INFINITY ? 0.f : __expf(mi - M);
-		const float L = warpSum(li * c);
-		if (lane < kSplits) wsplit[lane] = c / L;
+		const float w = splitWeight(mi, li);
+		if (lane < kSplits) wsplit[lane] = w;
 	}
 	__syncthreads();
 	// Thread t sums output t % HD over the splits s = t / HD, t / HD + q, ...
@@ -1754,20 +1758,19 @@ struct mf_engine {
 	int cluster = 2; // GemvArgs.cluster, from MESHNODE_FUSED_CLUSTER (1: none)
 	bool clusterFfn = false; // down's one-row mat-vecs take clusters (clustersFit)
 	int attnCells = kCellsPerSplit; // AttnArgs.cellsPerSplit, from MESHNODE_FUSED_ATTN_CELLS
-	// One-row passes whose cells take two to attnSplits splits of one
-	// round each run graph execMerge, whose splits merge in clusters
-	// (AttnArgs.clusterMerge); MESHNODE_FUSED_ATTN_CLUSTER=0 turns it off.
-	// Attention's share of an 8B step (the gap between its end and QKV's,
-	// run 234): 4.11 and 4.84 us at 192 and 320 cells in clusters, 4.93
-	// and 5.46 merged through global memory. Clusters start later than
-	// lone blocks (their blocks must fit at once), so other passes keep
-	// them out: 3.09 against 2.40 us at 64 cells, 16.4 against 10.7 at
-	// 2048.
-	// A step takes clusters of as many blocks as it has splits, one graph
-	// each: with clusters of eight whose unused blocks exit, fused_check's
-	// steps at 192 / 320 cells took 1.688-1.717 / 1.734-1.760 ms, with
-	// clusters that fit 1.667-1.672 / 1.687-1.689, the same bits (run 240).
-	// execMerge[k]: the graph of k splits a head, in clusters of k.
+	// One-row passes whose cells take k splits of one round each, k from
+	// 2 to attnSplits, run graph execMerge[k], whose k splits of a head
+	// merge in a cluster of k (AttnArgs.clusterMerge);
+	// MESHNODE_FUSED_ATTN_CLUSTER=0 turns it off. Attention's share of an
+	// 8B step (the gap between its end and QKV's, run 234): 4.11 and 4.84
+	// us at 192 and 320 cells in clusters (of eight then), 4.93 and 5.46
+	// merged through global memory. Clusters start later than lone blocks
+	// (their blocks must fit at once), so other passes keep them out: 3.09
+	// against 2.40 us at 64 cells, 16.4 against 10.7 at 2048. Clusters of
+	// eight whose blocks past a step's splits exit start later still:
+	// fused_check's steps at 192 / 320 cells took 1.688-1.717 /
+	// 1.734-1.760 ms with them, 1.667-1.672 / 1.687-1.689 with clusters of
+	// k, the same bits (run 240).
 	bool mergeInClusters = false;
 	bool mergeFit = true; // MESHNODE_FUSED_ATTN_CLUSTER_FIT=0: clusters of attnSplits, blocks past a step's splits exiting
 	cudaGraphExec_t execMerge[kClusterSplits + 1] = {};
@@ -2290,11 +2293,13 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		e->attnSplitsRows = group <= 8 ? std::max(1, std::min(kSplits, perSMRows * e->sms / (c.n_kv_head * kTileRows)))
 		                               : std::max(1, e->attnSplits / 4);
 		if (const char *v = getenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS")) e->attnSplitsRows = std::max(1, std::min(kSplits, atoi(v)));
-		// Clusters of a head's splits, where the code has them and the
-		// device takes clusters of that many of its blocks.
+		// Clusters of a head's splits, where the code has them, a split of
+		// attnCells takes one round of its warps' loads, and the device
+		// takes clusters of that many of its blocks.
 		if (const char *f = getenv("MESHNODE_FUSED_ATTN_CLUSTER_FIT")) e->mergeFit = atoi(f) != 0;
 		const char *v = getenv("MESHNODE_FUSED_ATTN_CLUSTER");
-		if (e->codeArch >= 900 && e->attnSplits >= 2 && e->attnSplits <= kClusterSplits && !(v && atoi(v) == 0)) {
+		if (e->codeArch >= 900 && e->attnSplits >= 2 && e->attnSplits <= kClusterSplits && e->attnCells <= kU * kAttnThreads / 32 &&
+		    !(v && atoi(v) == 0)) {
 			cudaLaunchConfig_t cfg = {};
 			cfg.gridDim = dim3(c.n_head, e->attnSplits, 1), cfg.blockDim = dim3(kAttnThreads);
 			cudaLaunchAttribute at = clusterAttr(dim3(1, e->attnSplits, 1));
@@ -2419,13 +2424,10 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 	}
 	CK(cudaSetDevice(c.device));
 	cudaGraphExec_t exec;
-	// Splits of one round each, two or more: merged in clusters.
-	// The splits a head takes (as attention counts them), in clusters of
-	// as many (mergeFit): a cluster of eight blocks whose unused ones exit
-	// still starts only where eight fit.
+	// The splits a head takes, as attention counts them: two or more of
+	// one round each merge in clusters (mf_engine.execMerge).
 	const int splits = std::min(e->attnSplits, std::max(1, (ncells[0] + e->attnCells - 1) / e->attnCells));
-	const bool merge = rows == 1 && e->mergeInClusters && splits > 1 && ncells[0] <= e->attnCells * e->attnSplits &&
-	                   e->attnCells <= kU * kAttnThreads / 32;
+	const bool merge = rows == 1 && e->mergeInClusters && splits > 1 && ncells[0] <= e->attnCells * e->attnSplits;
 	CK(graphFor(e, rows, &exec, merge ? (e->mergeFit ? splits : e->attnSplits) : 0));
 	if (e->timing && !e->ev0) {
 		CK(cudaEventCreate(&e->evIn));
