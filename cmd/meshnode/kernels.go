@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -37,6 +38,14 @@ type kernelTrace struct {
 	runs []kernelRun
 }
 
+// kernelKey splits a ktrace record's name|grid|block into its name and
+// grid.
+func kernelKey(key string) (name, grid string) {
+	name, grid, _ = strings.Cut(key, "|")
+	grid, _, _ = strings.Cut(grid, "|")
+	return name, grid
+}
+
 // readKernelTrace parses a ktrace file into t, adding to what t holds.
 func readKernelTrace(r io.Reader, t *kernelTrace) error {
 	if t.busy == nil {
@@ -57,8 +66,7 @@ func readKernelTrace(r io.Reader, t *kernelTrace) error {
 			if errA != nil || errB != nil || b == 0 {
 				return bad("want K <ns> <calls> <name>")
 			}
-			name, grid, _ := strings.Cut(f[3], "|")
-			grid, _, _ = strings.Cut(grid, "|")
+			name, grid := kernelKey(f[3])
 			t.kernels = append(t.kernels, kernelStat{name: name, grid: grid, ns: a, calls: b})
 		case "B":
 			if errA != nil || errB != nil || a > 1<<30 {
@@ -216,11 +224,8 @@ type stepShare struct {
 func stepShares(runs []kernelRun, gap uint64) (steps int, step float64, shares []stepShare) {
 	rs := slices.Clone(runs)
 	slices.SortFunc(rs, func(a, b kernelRun) int {
-		if a.start != b.start {
-			if a.start < b.start {
-				return -1
-			}
-			return 1
+		if c := cmp.Compare(a.start, b.start); c != 0 {
+			return c
 		}
 		return strings.Compare(a.key, b.key)
 	})
@@ -233,25 +238,25 @@ func stepShares(runs []kernelRun, gap uint64) (steps int, step float64, shares [
 		all[len(all)-1] = append(all[len(all)-1], r)
 		end = max(end, r.end)
 	}
+	// Each step's kernel sequence as one string, to count the steps alike.
+	seqs := make([]string, len(all))
 	count := map[string]int{}
-	seq := func(s []kernelRun) string {
-		keys := make([]string, len(s))
-		for i, r := range s {
-			keys[i] = r.key
-		}
-		return strings.Join(keys, "\n")
-	}
 	best := ""
-	for _, s := range all {
-		k := seq(s)
+	for i, s := range all {
+		keys := make([]string, len(s))
+		for j, r := range s {
+			keys[j] = r.key
+		}
+		k := strings.Join(keys, "\n")
+		seqs[i] = k
 		count[k]++
 		if count[k] > count[best] || (count[k] == count[best] && k < best) {
 			best = k
 		}
 	}
 	var kept [][]kernelRun
-	for _, s := range all {
-		if seq(s) == best {
+	for i, s := range all {
+		if seqs[i] == best {
 			kept = append(kept, s)
 		}
 	}
@@ -285,8 +290,8 @@ func stepShares(runs []kernelRun, gap uint64) (steps int, step float64, shares [
 	return len(kept), median(spans), shares
 }
 
-// repeats finds the longest stretch of keys that repeats a period of more
-// than one place at least twice (a model's layers): from, the period and
+// repeats finds the longest stretch of keys that repeats a period of one
+// place or more at least twice (a model's layers): from, the period and
 // how many times; times 0 where nothing repeats. Of equal stretches the
 // shortest period wins.
 func repeats(keys []string) (from, period, times int) {
@@ -314,15 +319,14 @@ func writeStepTimeline(w io.Writer, t *kernelTrace, gap uint64, names func([]str
 	raw := make([]string, len(shares))
 	for i, s := range shares {
 		keys[i] = s.key
-		raw[i], _, _ = strings.Cut(s.key, "|")
+		raw[i], _ = kernelKey(s.key)
 	}
 	shown := names(raw)
 	fmt.Fprintf(w, "\nsteps (R records, a step ending at an idle gap of %.0f µs): %d steps of %d kernels, the most common sequence; a step %.1f µs (median)\n",
 		float64(gap)/1e3, steps, len(shares), span/1e3)
 	fmt.Fprintf(w, "%10s %9s  %-14s %s\n", "share µs", "µs", "grid", "kernel (share: its end after the end of the one before)")
 	line := func(prefix string, share, dur float64, i int) {
-		_, grid, _ := strings.Cut(shares[i].key, "|")
-		grid, _, _ = strings.Cut(grid, "|")
+		_, grid := kernelKey(shares[i].key)
 		fmt.Fprintf(w, "%s%10.2f %9.2f  %-14s %s\n", prefix, share/1e3, dur/1e3, grid, shown[i])
 	}
 	from, period, times := repeats(keys)
