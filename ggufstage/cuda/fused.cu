@@ -141,7 +141,7 @@ struct GemvArgs {
 	int normDirect;    // read norm from global memory, not a shared copy (see placeNorm)
 	int late;          // issue the first weight copies after the input's loads, not before pdlWait
 	int cluster;       // one row without a norm: the blocks of a cluster of this many share the input's quantization
-	int weightsFirst;  // weight copies ask L2 to evict their lines first, so the KV cache and activations stay (see weightPolicy)
+	int weightsFirst;  // weight copies ask L2 to evict their lines first, so the KV cache and activations stay (see cpWeight16)
 	float eps;
 	float *y;
 	int epi;
