@@ -613,17 +613,17 @@ template <int N> __device__ __forceinline__ void cpAsyncCA(void *dst, const void
 // against 1.866 / 1.900 on another (run 243), the same bits; asking L2
 // also to fetch the 256 bytes around each copy (.L2::256B) was slower,
 // with the policy or without (1.820-1.851 ms at 64 cells).
-// The policy is made in the copy's own asm block: kept in a register
-// across gemvMMA's loop of two groups and two stages, it reached a copy as
-// an invalid policy (an illegal instruction, compute-sanitizer, run 245).
+// Those runs kept the policy in a register made once a kernel: across
+// gemvMMA's loop of two groups and two stages it reached a copy as an
+// invalid policy (an illegal instruction, compute-sanitizer, run 245). Here
+// each copy's asm block makes its own; not yet run on a GPU, so the policy
+// is off by default (mf_engine.weightsFirst).
 __device__ __forceinline__ void cpWeight16(void *dst, const void *src, bool hint) {
+	if (!hint) return cpAsync16(dst, src);
 	const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-	if (hint)
-		asm volatile("{\n.reg .b64 p;\ncreatepolicy.fractional.L2::evict_first.b64 p, 1.0;\n"
-		             "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, p;\n}\n" ::"r"(d),
-		             "l"(src));
-	else
-		asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+	asm volatile("{\n.reg .b64 p;\ncreatepolicy.fractional.L2::evict_first.b64 p, 1.0;\n"
+	             "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, p;\n}\n" ::"r"(d),
+	             "l"(src));
 }
 __device__ __forceinline__ void cpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
