@@ -141,7 +141,6 @@ struct GemvArgs {
 	int normDirect;    // read norm from global memory, not a shared copy (see placeNorm)
 	int late;          // issue the first weight copies after the input's loads, not before pdlWait
 	int cluster;       // one row without a norm: the blocks of a cluster of this many share the input's quantization
-	int weightsFirst;  // weight copies ask L2 to evict their lines first, so the KV cache and activations stay (see cpWeight16)
 	float eps;
 	float *y;
 	int epi;
@@ -605,26 +604,6 @@ template <int N> __device__ __forceinline__ void cpAsyncCA(void *dst, const void
 	const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
 	asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(N));
 }
-// The L2 policy of weight copies: evict first. A step streams 4.4 GB of
-// weights through a 50 MB L2; at the default priority they pushed out the
-// KV cache and the activations, which the next kernels and the next step
-// read again. fused_check's one-row steps at 64 / 192 cells took 1.714 /
-// 1.756 ms against 1.730 / 1.784 on one H200 (run 242), 1.778 / 1.794
-// against 1.866 / 1.900 on another (run 243), the same bits; asking L2
-// also to fetch the 256 bytes around each copy (.L2::256B) was slower,
-// with the policy or without (1.820-1.851 ms at 64 cells).
-// Those runs kept the policy in a register made once a kernel: across
-// gemvMMA's loop of two groups and two stages it reached a copy as an
-// invalid policy (an illegal instruction, compute-sanitizer, run 245). Here
-// each copy's asm block makes its own; not yet run on a GPU, so the policy
-// is off by default (mf_engine.weightsFirst).
-__device__ __forceinline__ void cpWeight16(void *dst, const void *src, bool hint) {
-	if (!hint) return cpAsync16(dst, src);
-	const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-	asm volatile("{\n.reg .b64 p;\ncreatepolicy.fractional.L2::evict_first.b64 p, 1.0;\n"
-	             "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, p;\n}\n" ::"r"(d),
-	             "l"(src));
-}
 __device__ __forceinline__ void cpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
@@ -654,7 +633,6 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 	const int first = blockIdx.x * kWarps + warp, stride = gridDim.x * kWarps;
 	const int mine0 = first < units ? (units - first + stride - 1) / stride : 0;
 	const int steps = mine0 * perUnit;
-	const bool hint = a.weightsFirst;
 
 	// Lane myIdx of slot mySlot's group copies chunks myIdx, myIdx+group, ...
 	// of its row: a group's copies are contiguous, one add apart.
@@ -670,7 +648,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 #pragma unroll
 				for (int i = 0; i < kMaxChunks; i++) {
 					const int c = myIdx + a.group * i;
-					if (c < bytes / 16) cpWeight16(dst + 16 * c, src + 16 * c, hint);
+					if (c < bytes / 16) cpAsync16(dst + 16 * c, src + 16 * c);
 				}
 			} else { // Q6_K rows that are not 16-byte aligned (copyWidth)
 #pragma unroll
@@ -929,7 +907,6 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 	const int units = (a.total + kMmaRows - 1) / kMmaRows;
 	const int nu = bi0 < units ? (units - bi0 + grid - 1) / grid : 0;
 	const int steps = nu * per;
-	const bool hint = a.weightsFirst;
 	auto issue = [&](int k) {
 		if (k < steps) {
 			const int unit = bi0 + (k / per) * grid, sb = s0 + k % per;
@@ -946,7 +923,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemvMMA(GemvArgs a
 					// allocation's pages, so the bytes read past its end are
 					// harmless.
 					if constexpr (kQ6) src = reinterpret_cast<const uint8_t *>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t(15));
-					cpWeight16(dst + row * kRowBytes + piece * 16, src + piece * 16, hint);
+					cpAsync16(dst + row * kRowBytes + piece * 16, src + piece * 16);
 				}
 			}
 		}
@@ -1777,7 +1754,6 @@ struct mf_engine {
 	int quantO = 1; // MESHNODE_FUSED_QUANT_O=0: O's input quantized by quantizeImage, not by attention
 	int smemSM = 0;    // shared memory per multiprocessor
 	int smemOptin = 0; // shared memory a block may have
-	int weightsFirst = 0; // GemvArgs.weightsFirst, MESHNODE_FUSED_L2=1: off until the asm-block policy is checked on a GPU
 	int late = 1;   // GemvArgs.late, from MESHNODE_FUSED_LATE (run 47: 1.5 us a layer)
 	int cluster = 2; // GemvArgs.cluster, from MESHNODE_FUSED_CLUSTER (1: none)
 	bool clusterFfn = false; // down's one-row mat-vecs take clusters (clustersFit)
@@ -2039,7 +2015,6 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 	for (int i = 0; bias && i < 3; i++) a.bias[i] = (const float *)bias[i];
 	fitShape(a, e->smemSM, e->smemOptin); // mf_create checked that it fits (maxRows)
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
-	a.weightsFirst = e->weightsFirst;
 	if (a.mma) {
 		a.img = e->img;
 		if (!(a.debug & 4) && !quantized) launch(e, quantizeImage<kThreads>, nrows, kThreads, 0, a);
@@ -2216,7 +2191,6 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	if (const char *v = getenv("MESHNODE_FUSED_QUANT_O")) e->quantO = atoi(v) != 0;
 	if (const char *v = getenv("MESHNODE_FUSED_GROUPS")) mmaGroupsMax = atoi(v) == 1 ? 1 : 2;
 	if (const char *v = getenv("MESHNODE_FUSED_LATE")) e->late = atoi(v) != 0;
-	if (const char *v = getenv("MESHNODE_FUSED_L2")) e->weightsFirst = atoi(v) != 0;
 	if (const char *v = getenv("MESHNODE_FUSED_TIMING")) e->timing = atoi(v) > 0 ? atoi(v) : 0;
 	if (const char *v = getenv("MESHNODE_FUSED_ATTN_CELLS")) e->attnCells = atoi(v) >= 1 ? atoi(v) : kCellsPerSplit;
 	if (const char *v = getenv("MESHNODE_FUSED_THREADS")) e->threads = atoi(v) == kThreads || atoi(v) == kWideThreads ? atoi(v) : 0;
