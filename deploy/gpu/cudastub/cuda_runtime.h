@@ -34,8 +34,8 @@ enum { cudaStreamNonBlocking = 1, cudaHostAllocPortable = 1 };
 enum cudaStreamCaptureMode { cudaStreamCaptureModeThreadLocal = 1 };
 enum cudaMemoryType { cudaMemoryTypeDevice = 2 };
 struct cudaPointerAttributes { cudaMemoryType type; int device; void *devicePointer; };
-enum cudaLaunchAttributeID { cudaLaunchAttributeClusterDimension = 4, cudaLaunchAttributeProgrammaticStreamSerialization = 5 };
-struct cudaLaunchAttributeValue { struct { unsigned x, y, z; } clusterDim; int programmaticStreamSerializationAllowed; };
+enum cudaLaunchAttributeID { cudaLaunchAttributeCooperative = 2, cudaLaunchAttributeClusterDimension = 4, cudaLaunchAttributeProgrammaticStreamSerialization = 5 };
+struct cudaLaunchAttributeValue { struct { unsigned x, y, z; } clusterDim; int programmaticStreamSerializationAllowed; int cooperative; };
 struct cudaLaunchAttribute { cudaLaunchAttributeID id; cudaLaunchAttributeValue val; };
 struct cudaLaunchConfig_t { dim3 gridDim, blockDim; size_t dynamicSmemBytes; cudaStream_t stream; cudaLaunchAttribute *attrs; unsigned numAttrs; };
 cudaError_t cudaFree(void *); cudaError_t cudaMalloc(void **, size_t); template <class T> cudaError_t cudaMalloc(T **p, size_t n) { return cudaMalloc((void **)p, n); }
@@ -54,11 +54,13 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *, const void *); cud
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t); cudaError_t cudaGraphDestroy(cudaGraph_t); cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t);
 cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *, cudaGraph_t, unsigned long long);
 cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *); cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode);
+cudaError_t cudaLaunchCooperativeKernel(const void *, dim3, dim3, void **, size_t, cudaStream_t);
+cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *, const void *, void **);
 cudaError_t cudaStreamDestroy(cudaStream_t); cudaError_t cudaStreamCreateWithFlags(cudaStream_t *, unsigned); cudaError_t cudaStreamSynchronize(cudaStream_t);
 extern "C" unsigned __cudaPushCallConfiguration(dim3, dim3, size_t = 0, cudaStream_t = 0);
 __device__ void __syncthreads(); __device__ void __syncwarp(unsigned = 0xffffffffu); __device__ void __threadfence();
 __device__ float __expf(float); __device__ float __fmul_rn(float, float); __device__ int __float2int_rn(float);
-__device__ float __shfl_xor_sync(unsigned, float, int); __device__ int __shfl_xor_sync(unsigned, int, int);
+__device__ float __shfl_xor_sync(unsigned, float, int); __device__ int __shfl_xor_sync(unsigned, int, int); __device__ unsigned __shfl_xor_sync(unsigned, unsigned, int);
 __device__ float __shfl_down_sync(unsigned, float, int); __device__ float __shfl_sync(unsigned, float, int); __device__ int __shfl_sync(unsigned, int, int);
 __device__ int __dp4a(int, int, int); __device__ unsigned __vsubss4(unsigned, unsigned); __device__ unsigned __byte_perm(unsigned, unsigned, unsigned);
 __device__ float __ldcg(const float *); __device__ uint2 __ldg(const uint2 *); __device__ unsigned __ldg(const unsigned *); __device__ uint4 __ldg(const uint4 *); __device__ float __ldg(const float *);
