@@ -23,6 +23,7 @@
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o chain deploy/gpu/chain.cu && ./chain [reps]
 #include <cuda_runtime.h>
+#include "cudacheck.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -31,15 +32,6 @@
 #include <vector>
 
 namespace {
-
-#define CHECK(call)                                                                                                \
-	do {                                                                                                           \
-		cudaError_t e_ = (call);                                                                                   \
-		if (e_ != cudaSuccess) {                                                                                   \
-			fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                   \
-			exit(1);                                                                                               \
-		}                                                                                                          \
-	} while (0)
 
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kChunk = 4608;              // bytes a warp copies a step: 256 Q4_0 blocks
@@ -199,11 +191,6 @@ __global__ void __launch_bounds__(kThreads, 2) persistent(const Phase *phases, i
 		if constexpr (BARRIER == 0) gridSync(bar, bar + 32);
 		else gridArrive<BARRIER == 2 ? 2 : 1>(bar + 64, base + arrivals * (i + 1));
 	}
-}
-
-double median(std::vector<double> v) {
-	std::sort(v.begin(), v.end());
-	return v[v.size() / 2];
 }
 
 } // namespace

@@ -10,6 +10,7 @@
 // and the pipe's hop between processes: the switch between the two
 // processes' contexts, which the GPU time-slices (without MPS).
 #include <cuda_runtime.h>
+#include "cudacheck.h"
 
 #include <algorithm>
 #include <chrono>
@@ -20,15 +21,6 @@
 #include <vector>
 
 namespace {
-
-#define CHECK(call)                                                                                                \
-	do {                                                                                                           \
-		cudaError_t e_ = (call);                                                                                   \
-		if (e_ != cudaSuccess) {                                                                                   \
-			fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                   \
-			exit(1);                                                                                               \
-		}                                                                                                          \
-	} while (0)
 
 // spin keeps every block busy for about ns nanoseconds.
 __global__ void spin(long long ns, int *sink) {
@@ -41,11 +33,6 @@ __global__ void spin(long long ns, int *sink) {
 }
 
 using clk = std::chrono::steady_clock;
-
-double median(std::vector<double> v) {
-	std::sort(v.begin(), v.end());
-	return v[v.size() / 2];
-}
 
 struct Gpu {
 	cudaStream_t s;

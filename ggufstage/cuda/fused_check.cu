@@ -19,6 +19,7 @@
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include "../../deploy/gpu/cudacheck.h"
 
 #include <algorithm>
 #include <chrono>
@@ -45,15 +46,6 @@ static int greedyPick(const float *l, size_t n) {
 		if (clean(l[i]) > clean(l[best])) best = i;
 	return (int)best;
 }
-
-#define CHECK(call)                                                                                                \
-	do {                                                                                                           \
-		cudaError_t e_ = (call);                                                                                   \
-		if (e_ != cudaSuccess) {                                                                                   \
-			fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                   \
-			exit(1);                                                                                               \
-		}                                                                                                          \
-	} while (0)
 
 static size_t rowBytesOf(int type, int k) {
 	switch (type) {

@@ -54,7 +54,6 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *, const void *); cud
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t); cudaError_t cudaGraphDestroy(cudaGraph_t); cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t);
 cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *, cudaGraph_t, unsigned long long);
 cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *); cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode);
-cudaError_t cudaLaunchCooperativeKernel(const void *, dim3, dim3, void **, size_t, cudaStream_t);
 cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *, const void *, void **);
 cudaError_t cudaStreamDestroy(cudaStream_t); cudaError_t cudaStreamCreateWithFlags(cudaStream_t *, unsigned); cudaError_t cudaStreamSynchronize(cudaStream_t);
 extern "C" unsigned __cudaPushCallConfiguration(dim3, dim3, size_t = 0, cudaStream_t = 0);
