@@ -165,6 +165,7 @@ struct GemvArgs {
 	int mmaStages; // gemvMMA: stages in flight a warp
 	float *kpart;
 	int *kcount;
+	int unitBytes; // head6: bytes from one unit of the packed head to the next
 	int debug; // mf_profile: 1 skips the input's quantization (gemvMMA: its copy), 2 the dot products, 4 quantizeImage,
 	           // 8 gemvMMA's shares and sums of each unit
 };
@@ -560,12 +561,14 @@ __device__ __forceinline__ float q6Sum(const int (&s)[4][2], const int8_t *sc, f
 
 // Weights l..l+3 of each 32-weight quarter m of half a Q6_K block (ql, qh
 // its low and high bits), as signed bytes in v[m].
-__device__ __forceinline__ void q6Quads(const uint8_t *ql, const uint8_t *qh, int l, int (&v)[4]) {
-	const uint32_t qa = u32At2(ql + l), qb = u32At2(ql + l + 32), h = u32At2(qh + l);
+__device__ __forceinline__ void q6QuadsW(uint32_t qa, uint32_t qb, uint32_t h, int (&v)[4]) {
 	v[0] = (int)__vsubss4((qa & 0x0f0f0f0fu) | ((h << 4) & 0x30303030u), 0x20202020u);
 	v[1] = (int)__vsubss4((qb & 0x0f0f0f0fu) | ((h << 2) & 0x30303030u), 0x20202020u);
 	v[2] = (int)__vsubss4(((qa >> 4) & 0x0f0f0f0fu) | (h & 0x30303030u), 0x20202020u);
 	v[3] = (int)__vsubss4(((qb >> 4) & 0x0f0f0f0fu) | ((h >> 2) & 0x30303030u), 0x20202020u);
+}
+__device__ __forceinline__ void q6Quads(const uint8_t *ql, const uint8_t *qh, int l, int (&v)[4]) {
+	q6QuadsW(u32At2(ql + l), u32At2(ql + l + 32), u32At2(qh + l), v);
 }
 
 // Half (128 weights) of a Q6_K block against the input from weight base on.
@@ -728,6 +731,145 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 		}
 	}
 	cpAsyncWait<0>();
+}
+
+// The one-row Q6_K head, from a copy of the output matrix packed for loads
+// straight into registers (mf_engine.head6). gemv's lanes read each
+// super-block from shared memory 2 bytes at a time (a super-block is 210
+// bytes, so only 2-byte aligned), and the dot products cost 35 of its 138
+// us (run 160). A unit is gemv's step of a warp: rpp rows of group
+// super-blocks, lane slot*group+sb taking super-block sb of row
+// unit*rpp+slot. Packed, a unit's L = rpp*group super-blocks lie as
+// kHeadPieces pieces of 16 bytes, piece j of every lane's 208 bytes of quants
+// and scales at j*16*L + 16*lane, then the lanes' f16 scales; units are
+// GemvArgs.unitBytes apart (L*210 rounded up to 16). So a warp's loads of
+// a piece coalesce, and the arithmetic, and the bits, are gemv's. Each warp
+// has its next unit's loads in flight while it works on one.
+// fused_check, 8B (runs 256-257, alternating): the head 119.5-120.7 us
+// against 137.4-138.0, a step at 64 cells 1.613-1.657 ms against
+// 1.634-1.667 (medians of nine 1.632 and 1.649). Blocks of 256 threads
+// with two units in flight (250 registers) took 129 us, two blocks of 256
+// or one of 512 with one in flight (128 registers, spilling) 122-130 in
+// the head but 1.661-1.697 ms a step; 16-byte loads of the input
+// changed nothing.
+constexpr int kHeadPieces = 13, kHeadThreads = 384;
+
+__global__ void packHead6(const uint8_t *src, uint8_t *dst, int rows, int rowBytes, int spr, int rpp, int unitBytes) {
+	const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+	if (i >= (long long)rows * spr) return;
+	const int r = (int)(i / spr), sb = (int)(i % spr);
+	const int L = rpp * spr, lane = (r % rpp) * spr + sb;
+	const uint16_t *s = reinterpret_cast<const uint16_t *>(src + (size_t)r * rowBytes + (size_t)sb * kQ6Bytes);
+	uint8_t *u = dst + (size_t)(r / rpp) * unitBytes;
+	for (int j = 0; j < kHeadPieces; j++) {
+		uint32_t w[4];
+		for (int q = 0; q < 4; q++) w[q] = (uint32_t)s[8 * j + 2 * q] | ((uint32_t)s[8 * j + 2 * q + 1] << 16);
+		*reinterpret_cast<uint4 *>(u + (size_t)j * 16 * L + 16 * lane) = make_uint4(w[0], w[1], w[2], w[3]);
+	}
+	*reinterpret_cast<uint16_t *>(u + (size_t)kHeadPieces * 16 * L + 2 * lane) = s[104];
+}
+
+// Loads of weights read once a step: not kept in L1.
+__device__ __forceinline__ uint4 ldStream16(const void *p) {
+	uint4 v;
+	asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+	             : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+	             : "l"(p));
+	return v;
+}
+__device__ __forceinline__ uint32_t ldStream2(const void *p) {
+	unsigned short v;
+	asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+	return v;
+}
+
+// dotQ6Half on a super-block's 208 bytes in registers (w).
+__device__ __forceinline__ float dotQ6HalfR(const uint32_t (&w)[4 * kHeadPieces], float d, int half, int sb, const int8_t *xq,
+                                            const float2 *xds) {
+	auto xi = [&](int o) {
+		o += 128 * half;
+		return *reinterpret_cast<const int *>(xqChunk(xq, sb, o >> 4) + (o & 15));
+	};
+	int s[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};
+#pragma unroll
+	for (int l = 0; l < 32; l += 4) {
+		int v[4];
+		q6QuadsW(w[16 * half + l / 4], w[16 * half + 8 + l / 4], w[32 + 8 * half + l / 4], v);
+		const int g = l >> 4;
+#pragma unroll
+		for (int m = 0; m < 4; m++) s[m][g] = __dp4a(v[m], xi(32 * m + l), s[m][g]);
+	}
+	int8_t sc[8];
+#pragma unroll
+	for (int i = 0; i < 8; i++) sc[i] = (int8_t)(w[48 + 2 * half + i / 4] >> (8 * (i & 3)));
+	return q6Sum(s, sc, d, half, sb, xds);
+}
+
+// Shared memory: the quantized input, its scales, the norm's reduction
+// space and the norm's weights.
+__host__ __device__ size_t head6Smem(int k) { return (size_t)k + (size_t)k / 32 * sizeof(float2) + (kRed + (size_t)k) * sizeof(float); }
+
+__global__ void __launch_bounds__(kHeadThreads, 1) head6(GemvArgs a) {
+	constexpr int kWarps = kHeadThreads / 32;
+	extern __shared__ __align__(16) uint8_t smem[];
+	int8_t *xq = reinterpret_cast<int8_t *>(smem);
+	float2 *xds = reinterpret_cast<float2 *>(xq + a.k);
+	float *red = reinterpret_cast<float *>(xds + a.k / 32);
+	float *normS = red + kRed;
+	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	const int L = a.rpp * a.group, mySlot = lane / a.group, myIdx = lane % a.group;
+	const int units = (a.total + a.rpp - 1) / a.rpp;
+	const int first = blockIdx.x * kWarps + warp, stride = gridDim.x * kWarps;
+	const int steps = first < units ? (units - first + stride - 1) / stride : 0;
+	const bool active = lane < L;
+	// Two units' registers, the loop unrolled by two so that their indices
+	// are constants (a variable index would put them in local memory).
+	uint4 W[2][kHeadPieces];
+	uint32_t D[2];
+	auto load = [&](int k, uint4 (&w)[kHeadPieces], uint32_t &d) {
+		if (k < steps && active) {
+			const uint8_t *u = a.w[0] + (size_t)(first + k * stride) * a.unitBytes;
+#pragma unroll
+			for (int j = 0; j < kHeadPieces; j++) w[j] = ldStream16(u + (size_t)j * 16 * L + 16 * lane);
+			d = ldStream2(u + (size_t)kHeadPieces * 16 * L + 2 * lane);
+		}
+	};
+	load(0, W[0], D[0]); // weights, which nothing writes, before the wait
+	for (int i = threadIdx.x; i < a.k / 4; i += kHeadThreads) cpAsync16(normS + 4 * i, a.norm + 4 * i);
+	cpAsyncCommit();
+	pdlLaunchNext();
+	pdlWait();
+	auto afterLoads = [&]() {
+		cpAsyncWait<0>();
+		__syncthreads();
+	};
+	if (a.debug & 1)
+		afterLoads();
+	else
+		quantizeInput<kHeadThreads>(a, xq, xds, red, normS, afterLoads);
+	for (int k0 = 0; k0 < steps; k0 += 2) {
+#pragma unroll
+		for (int p = 0; p < 2; p++) {
+			const int k = k0 + p;
+			load(k + 1, W[p ^ 1], D[p ^ 1]);
+			if (k >= steps) break;
+			float acc = 0.f, mine = 0.f;
+			if (active && !(a.debug & 2)) {
+				uint32_t w[4 * kHeadPieces];
+#pragma unroll
+				for (int j = 0; j < kHeadPieces; j++)
+					w[4 * j] = W[p][j].x, w[4 * j + 1] = W[p][j].y, w[4 * j + 2] = W[p][j].z, w[4 * j + 3] = W[p][j].w;
+				const float d = __half2float(__ushort_as_half((unsigned short)D[p]));
+				acc += dotQ6HalfR(w, d, 0, myIdx, xq, xds) + dotQ6HalfR(w, d, 1, myIdx, xq, xds); // as gemv sums
+			}
+			for (int sl = 0; sl < a.rpp; sl++) {
+				const float t = warpSum(mySlot == sl ? acc : 0.f);
+				if (lane == sl) mine = t;
+			}
+			const int v = (first + k * stride) * a.rpp + lane;
+			if (lane < a.rpp && v < a.total) a.y[v] = mine + biasAt(a, v);
+		}
+	}
 }
 
 // The mat-vec of several rows (2 to kMaxRows) for Q4_0 and Q6_K matrices,
@@ -1795,6 +1937,12 @@ struct mf_engine {
 	// around the graph, evOut after its result's copy.
 	cudaEvent_t evIn = nullptr, ev0 = nullptr, ev1 = nullptr, evOut = nullptr;
 	double inMs = 0, gpuMs = 0, outMs = 0, launchMs = 0, wallMs = 0;
+	// The last stage's one-row Q6_K head runs head6 on head6W, a packed
+	// copy of the output matrix (head6Unit bytes a unit), in head6Grid
+	// blocks, where mf_create found the memory for it
+	// (MESHNODE_FUSED_PACKED_HEAD=0: gemv on the matrix itself).
+	uint8_t *head6W = nullptr;
+	int head6Unit = 0, head6Grid = 0;
 };
 
 namespace {
@@ -2015,6 +2163,11 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 	for (int i = 0; bias && i < 3; i++) a.bias[i] = (const float *)bias[i];
 	fitShape(a, e->smemSM, e->smemOptin); // mf_create checked that it fits (maxRows)
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
+	if (e->head6W && nrows == 1 && w0 == e->c.output) {
+		a.w[0] = e->head6W, a.unitBytes = e->head6Unit;
+		launch(e, head6, e->head6Grid, kHeadThreads, head6Smem(k), a);
+		return;
+	}
 	if (a.mma) {
 		a.img = e->img;
 		if (!(a.debug & 4) && !quantized) launch(e, quantizeImage<kThreads>, nrows, kThreads, 0, a);
@@ -2360,6 +2513,31 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		CE(cudaMalloc(&e->pickAt, sizeof(int) * R * kPickBlocks));
 	}
 
+	if (const char *v = getenv("MESHNODE_FUSED_PACKED_HEAD"); e->last && c.out_type == MF_Q6_K && !(v && atoi(v) == 0)) {
+		// The packed copy (head6) costs the head's bytes again (431 MB for
+		// the 8B model), so it is made only where the GPU keeps at least 1
+		// GiB, and a sixteenth of its memory, free beside it.
+		GemvArgs a{};
+		gemvShape(a, MF_Q6_K, c.embd, kStore, 0, 1);
+		const int unit = (a.rpp * a.group * kQ6Bytes + 15) / 16 * 16;
+		const size_t units = (c.vocab + a.rpp - 1) / a.rpp, bytes = units * unit;
+		size_t free = 0, total = 0;
+		CE(cudaMemGetInfo(&free, &total));
+		const size_t keep = std::max<size_t>((size_t)1 << 30, total / 16);
+		if (a.passes == 1 && free > bytes + keep) {
+			CE(cudaMalloc(&e->head6W, bytes));
+			CE(cudaMemsetAsync(e->head6W, 0, bytes, e->stream)); // a last unit's missing rows
+			const long long n = (long long)c.vocab * a.spr;
+			packHead6<<<(unsigned)((n + 255) / 256), 256, 0, e->stream>>>((const uint8_t *)c.output, e->head6W, c.vocab, a.rowBytes,
+			                                                             a.spr, a.rpp, unit);
+			CE(cudaGetLastError());
+			CE(cudaStreamSynchronize(e->stream));
+			int perSM = 0;
+			CE(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSM, head6, kHeadThreads, head6Smem(c.embd)));
+			e->head6Unit = unit, e->head6Grid = e->sms * std::max(1, perSM);
+		}
+	}
+
 	cudaGraphExec_t one;
 	ce = graphFor(e, 1, &one);
 	for (int k = e->mergeFit ? 2 : e->attnSplits; e->mergeInClusters && ce == cudaSuccess && k <= e->attnSplits; k++)
@@ -2625,7 +2803,7 @@ extern "C" void mf_destroy(mf_engine *e) {
 		if (x) cudaGraphExecDestroy(x);
 	cudaFree(e->input), cudaFree(e->qkv), cudaFree(e->att), cudaFree(e->act), cudaFree(e->logits);
 	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->img), cudaFree(e->kpart), cudaFree(e->kcount);
-	cudaFree(e->pickV), cudaFree(e->pickAt);
+	cudaFree(e->pickV), cudaFree(e->pickAt), cudaFree(e->head6W);
 	if (e->hostInput) cudaFreeHost(e->hostInput);
 	if (e->hostPicks) cudaFreeHost(e->hostPicks);
 	if (e->hostIO) cudaFreeHost(e->hostIO);

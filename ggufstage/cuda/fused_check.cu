@@ -716,12 +716,20 @@ int main(int argc, char **argv) {
 		// and several (see AttnArgs.cellsPerSplit); the Q6_K head's rows
 		// copied in pieces of 16, 4 and 8 bytes (copyWidth). Twice: with
 		// the splits of a head merged in clusters where they may be
-		// (mf_engine.execMerge) and without, on the same models.
-		for (const char *clusters : {"0", ""}) {
+		// (mf_engine.execMerge) and without, on the same models; and the
+		// head through gemv, not the packed copy (mf_engine.head6W).
+		struct {
+			const char *clusters, *packed;
+		} runs[] = {{"0", ""}, {"", ""}, {"", "0"}};
+		for (const auto &run : runs) {
 			rng.seed(42);
+			const char *clusters = run.clusters;
 			setenv("MESHNODE_FUSED_ATTN_CLUSTER", clusters, 1);
 			if (!*clusters) unsetenv("MESHNODE_FUSED_ATTN_CLUSTER");
-			printf("one-row checks, splits merged in clusters %s\n", *clusters ? "off" : "where they may be");
+			setenv("MESHNODE_FUSED_PACKED_HEAD", run.packed, 1);
+			if (!*run.packed) unsetenv("MESHNODE_FUSED_PACKED_HEAD");
+			printf("one-row checks, splits merged in clusters %s, the Q6_K head %s\n", *clusters ? "off" : "where they may be",
+			       *run.packed ? "through gemv" : "packed where there is room");
 			bad |= check(2048, 16, 4, 128, 100);
 			bad |= check(2048, 32, 8, 64, 100);
 			bad |= check(2560, 20, 4, 128, 200);
@@ -733,6 +741,7 @@ int main(int argc, char **argv) {
 			bad |= check(2048, 16, 2, 128, 120, true);
 			bad |= check(2048, 32, 4, 64, 40, true);
 		}
+		unsetenv("MESHNODE_FUSED_PACKED_HEAD");
 		// Several sequences in one pass.
 		bad |= checkPicks();
 		bad |= checkRows(2048, 16, 4, 128, 3);

@@ -24,7 +24,7 @@
 struct dim3 { unsigned x, y, z; __host__ __device__ constexpr dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
 struct uint4 { unsigned x, y, z, w; }; struct uint2 { unsigned x, y; }; struct int4 { int x, y, z, w; };
 struct float2 { float x, y; }; struct float4 { float x, y, z, w; };
-__host__ __device__ int4 make_int4(int, int, int, int); __host__ __device__ float2 make_float2(float, float);
+__host__ __device__ int4 make_int4(int, int, int, int); __host__ __device__ float2 make_float2(float, float); __host__ __device__ uint4 make_uint4(unsigned, unsigned, unsigned, unsigned);
 typedef int cudaError_t; enum { cudaSuccess = 0, cudaErrorInvalidDevicePointer = 17 };
 typedef struct CUst_st *cudaStream_t; typedef struct CUev_st *cudaEvent_t; typedef struct CUg_st *cudaGraph_t; typedef struct CUge_st *cudaGraphExec_t;
 enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
@@ -50,7 +50,7 @@ template <class T> cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int
 template <class T> cudaError_t cudaOccupancyMaxActiveClusters(int *, T, const cudaLaunchConfig_t *) { return 0; }
 template <class T> cudaError_t cudaFuncSetAttribute(T, cudaFuncAttribute, int) { return 0; }
 template <class K, class... A> cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t *, K, A...) { return 0; }
-cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *, const void *); cudaError_t cudaMemset(void *, int, size_t);
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *, const void *); cudaError_t cudaMemset(void *, int, size_t); cudaError_t cudaMemsetAsync(void *, int, size_t, cudaStream_t = 0); cudaError_t cudaMemGetInfo(size_t *, size_t *);
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t); cudaError_t cudaGraphDestroy(cudaGraph_t); cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t);
 cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *, cudaGraph_t, unsigned long long);
 cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *); cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode);
