@@ -734,7 +734,7 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 }
 
 // The one-row Q6_K head, from a copy of the output matrix packed for loads
-// straight into registers (mf_engine.head6). gemv's lanes read each
+// straight into registers (mf_engine.head6W). gemv's lanes read each
 // super-block from shared memory 2 bytes at a time (a super-block is 210
 // bytes, so only 2-byte aligned), and the dot products cost 35 of its 138
 // us (run 160). A unit is gemv's step of a warp: rpp rows of group
@@ -743,10 +743,10 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 // kHeadPieces pieces of 16 bytes, piece j of every lane's 208 bytes of quants
 // and scales at j*16*L + 16*lane, then the lanes' f16 scales; units are
 // GemvArgs.unitBytes apart (L*210 rounded up to 16). So a warp's loads of
-// a piece coalesce, and the arithmetic is gemv's: the same bits where a
-// thread of either normalizes one piece of 16 of the input (n_embd up to
-// 6144). Each warp has its next unit's loads in flight while it works on
-// one.
+// a piece coalesce, and the arithmetic is gemv's: the same bits where
+// each thread of either kernel normalizes at most one group of 16 input
+// values (n_embd up to 6144). Each warp has its next unit's loads in
+// flight while it works on one.
 // fused_check, 8B (runs 256-257, alternating): the head 119.5-120.7 us
 // against 137.4-138.0, a step at 64 cells 1.613-1.657 ms against
 // 1.634-1.667 (medians of nine 1.632 and 1.649). Blocks of 256 threads
