@@ -2523,11 +2523,14 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 		gemvShape(a, MF_Q6_K, c.embd, kStore, 0, 1);
 		const int unit = (a.rpp * a.group * kQ6Bytes + 15) / 16 * 16;
 		const size_t units = (c.vocab + a.rpp - 1) / a.rpp, bytes = units * unit;
+		// Without the memory, or its count, the head stays on gemv: the
+		// engine works either way.
 		size_t free = 0, total = 0;
-		CE(cudaMemGetInfo(&free, &total));
+		const bool counted = cudaMemGetInfo(&free, &total) == cudaSuccess;
 		const size_t keep = std::max<size_t>((size_t)1 << 30, total / 16);
-		if (a.passes == 1 && free > bytes + keep) {
-			CE(cudaMalloc(&e->head6W, bytes));
+		if (a.passes == 1 && counted && free > bytes + keep && cudaMalloc(&e->head6W, bytes) != cudaSuccess) e->head6W = nullptr;
+		cudaGetLastError(); // a failed count or allocation only means gemv
+		if (e->head6W) {
 			CE(cudaMemsetAsync(e->head6W, 0, bytes, e->stream)); // a last unit's missing rows
 			const long long n = (long long)c.vocab * a.spr;
 			packHead6<<<(unsigned)((n + 255) / 256), 256, 0, e->stream>>>((const uint8_t *)c.output, e->head6W, c.vocab, a.rowBytes,
