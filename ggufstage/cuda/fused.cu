@@ -571,6 +571,30 @@ __device__ __forceinline__ void q6Quads(const uint8_t *ql, const uint8_t *qh, in
 	q6QuadsW(u32At2(ql + l), u32At2(ql + l + 32), u32At2(qh + l), v);
 }
 
+// The integer sums s of half a Q6_K block against the input, by quarter
+// and 16 weights: words(l) gives the block's low bits of weights l..l+3
+// and l+32..l+35 of the half, and their high bits (q6QuadsW's qa, qb, h),
+// from shared memory (gemv) or registers (head6).
+template <typename Words>
+__device__ __forceinline__ void q6HalfSums(Words words, int half, int sb, const int8_t *xq, int (&s)[4][2]) {
+	// The input's int at byte o of this half.
+	auto xi = [&](int o) {
+		o += 128 * half;
+		return *reinterpret_cast<const int *>(xqChunk(xq, sb, o >> 4) + (o & 15));
+	};
+#pragma unroll
+	for (int m = 0; m < 4; m++) s[m][0] = s[m][1] = 0;
+#pragma unroll
+	for (int l = 0; l < 32; l += 4) {
+		const uint3 q = words(l);
+		int v[4];
+		q6QuadsW(q.x, q.y, q.z, v);
+		const int g = l >> 4;
+#pragma unroll
+		for (int m = 0; m < 4; m++) s[m][g] = __dp4a(v[m], xi(32 * m + l), s[m][g]);
+	}
+}
+
 // Half (128 weights) of a Q6_K block against the input from weight base on.
 // The one-row head spends 35 us of its 138 here (102.6 without, run 160),
 // but loading the half's weights as aligned words and its input 16 bytes
@@ -581,20 +605,8 @@ __device__ __forceinline__ float dotQ6Half(const uint8_t *blk, int half, int sb,
 	const uint8_t *qh = blk + 128 + 32 * half;
 	const int8_t *sc = reinterpret_cast<const int8_t *>(blk + 192 + 8 * half);
 	const float d = halfAt(blk + 208);
-	// The input's int at byte o of this half.
-	auto xi = [&](int o) {
-		o += 128 * half;
-		return *reinterpret_cast<const int *>(xqChunk(xq, sb, o >> 4) + (o & 15));
-	};
-	int s[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};
-#pragma unroll
-	for (int l = 0; l < 32; l += 4) {
-		int v[4];
-		q6Quads(ql, qh, l, v);
-		const int g = l >> 4;
-#pragma unroll
-		for (int m = 0; m < 4; m++) s[m][g] = __dp4a(v[m], xi(32 * m + l), s[m][g]);
-	}
+	int s[4][2];
+	q6HalfSums([&](int l) { return uint3{u32At2(ql + l), u32At2(ql + l + 32), u32At2(qh + l)}; }, half, sb, xq, s);
 	return q6Sum(s, sc, d, half, sb, xds);
 }
 
@@ -788,19 +800,9 @@ __device__ __forceinline__ uint32_t ldStream2(const void *p) {
 // dotQ6Half on a super-block's 208 bytes in registers (w).
 __device__ __forceinline__ float dotQ6HalfR(const uint32_t (&w)[4 * kHeadPieces], float d, int half, int sb, const int8_t *xq,
                                             const float2 *xds) {
-	auto xi = [&](int o) {
-		o += 128 * half;
-		return *reinterpret_cast<const int *>(xqChunk(xq, sb, o >> 4) + (o & 15));
-	};
-	int s[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};
-#pragma unroll
-	for (int l = 0; l < 32; l += 4) {
-		int v[4];
-		q6QuadsW(w[16 * half + l / 4], w[16 * half + 8 + l / 4], w[32 + 8 * half + l / 4], v);
-		const int g = l >> 4;
-#pragma unroll
-		for (int m = 0; m < 4; m++) s[m][g] = __dp4a(v[m], xi(32 * m + l), s[m][g]);
-	}
+	int s[4][2];
+	q6HalfSums([&](int l) { return uint3{w[16 * half + l / 4], w[16 * half + 8 + l / 4], w[32 + 8 * half + l / 4]}; }, half, sb,
+	           xq, s);
 	int8_t sc[8];
 #pragma unroll
 	for (int i = 0; i < 8; i++) sc[i] = (int8_t)(w[48 + 2 * half + i / 4] >> (8 * (i & 3)));

@@ -22,7 +22,7 @@
 #define __restrict__ __restrict
 #include <__clang_cuda_builtin_vars.h>
 struct dim3 { unsigned x, y, z; __host__ __device__ constexpr dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
-struct uint4 { unsigned x, y, z, w; }; struct uint2 { unsigned x, y; }; struct int4 { int x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; }; struct uint2 { unsigned x, y; }; struct int4 { int x, y, z, w; }; struct uint3 { unsigned x, y, z; };
 struct float2 { float x, y; }; struct float4 { float x, y, z, w; };
 __host__ __device__ int4 make_int4(int, int, int, int); __host__ __device__ float2 make_float2(float, float); __host__ __device__ uint4 make_uint4(unsigned, unsigned, unsigned, unsigned);
 typedef int cudaError_t; enum { cudaSuccess = 0, cudaErrorInvalidDevicePointer = 17 };
