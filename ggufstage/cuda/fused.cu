@@ -213,6 +213,10 @@ __device__ __forceinline__ const int8_t *xqChunk(const int8_t *xq, int sb, int c
 	return xq + sb * 256 + ((c ^ (sb & 15)) << 4);
 }
 __device__ __forceinline__ float2 xdsAt(const float2 *xds, int sb, int b) { return xds[sb * 8 + (b ^ (sb & 7))]; }
+// The int4 of super-block sb's sums of 16 quantized inputs (head6's xs16)
+// that holds its chunks 4q to 4q+3: swizzled, so that the lanes of a warp,
+// each on a super-block of its own, read fewer of the same banks.
+__device__ __forceinline__ int xs16At(int sb, int q) { return sb * 4 + (q ^ (sb & 3)); }
 
 // Programmatic dependent launch: a kernel may start while the one before it
 // finishes; it copies weights (which nothing writes) before waiting for the
@@ -283,8 +287,11 @@ __global__ void codeArch(int *out) {
 // Quantizes 16 values, half hg of a block of 32 whose other half the
 // neighbouring lane holds, as ggml's q8_1 does for its mat-vec. PLAIN
 // stores them unpermuted (see gemvMMA), else as xqChunk and xdsAt read them.
+// xs16 (head6), where not null, takes the half's sum of integers as
+// xs16At reads it.
 template <bool PLAIN = false>
-__device__ __forceinline__ void quantizeHalf(const float (&v)[16], int hg, bool store, int8_t *xq, float2 *xds, int ranks = 1) {
+__device__ __forceinline__ void quantizeHalf(const float (&v)[16], int hg, bool store, int8_t *xq, float2 *xds, int ranks = 1,
+                                             int *xs16 = nullptr) {
 	float amax = 0.f;
 #pragma unroll
 	for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(v[i]));
@@ -299,6 +306,7 @@ __device__ __forceinline__ void quantizeHalf(const float (&v)[16], int hg, bool 
 		sum += q0 + q1 + q2 + q3;
 		packed[i] = (q0 & 0xff) | ((q1 & 0xff) << 8) | ((q2 & 0xff) << 16) | ((q3 & 0xff) << 24);
 	}
+	if (xs16 && store) xs16[xs16At(hg >> 4, (hg & 15) >> 2) * 4 + (hg & 3)] = sum;
 	sum += __shfl_xor_sync(0xffffffffu, sum, 1);
 	if (!store) return;
 	const int sb = hg >> 4, c = hg & 15;
@@ -331,7 +339,8 @@ __device__ __forceinline__ void load16(const float *p, float (&v)[16]) {
 // afterLoads runs once the input's loads are issued and before their
 // values are used (see GemvArgs.late).
 template <int THREADS, typename F>
-__device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float *red, const float *normS, F afterLoads) {
+__device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float *red, const float *normS, F afterLoads,
+                              int *xs16 = nullptr) {
 	constexpr int kThreads = THREADS, kWarps = THREADS / 32;
 	const int halves = a.k / 16;
 	const int iters = (halves + kThreads - 1) / kThreads; // the same for every thread: the shuffles need all
@@ -363,7 +372,7 @@ __device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float 
 			for (int i = 0; i < kHeld; i++) {
 				if (i0 + i >= its) break;
 				const int hg = start + threadIdx.x + kThreads * (i0 + i);
-				quantizeHalf(v[i], hg, hg < end, xq, xds, ranks);
+				quantizeHalf(v[i], hg, hg < end, xq, xds, ranks, ranks == 1 ? xs16 : nullptr);
 			}
 		}
 		if (ranks > 1)
@@ -403,7 +412,7 @@ __device__ void quantizeInput(const GemvArgs &a, int8_t *xq, float2 *xds, float 
 		if (hg < halves) load16(normS + hg * 16, n);
 #pragma unroll
 		for (int j = 0; j < 16; j++) v[i][j] = v[i][j] * scale * n[j];
-		quantizeHalf(v[i], hg, hg < halves, xq, xds);
+		quantizeHalf(v[i], hg, hg < halves, xq, xds, 1, xs16);
 	}
 	__syncthreads();
 }
@@ -567,6 +576,14 @@ __device__ __forceinline__ void q6QuadsW(uint32_t qa, uint32_t qb, uint32_t h, i
 	v[2] = (int)__vsubss4(((qa >> 4) & 0x0f0f0f0fu) | (h & 0x30303030u), 0x20202020u);
 	v[3] = (int)__vsubss4(((qb >> 4) & 0x0f0f0f0fu) | ((h >> 2) & 0x30303030u), 0x20202020u);
 }
+// The same weights unbiased, 0 to 63 (q6HalfSums then subtracts 32 times
+// the input's sums): no per-byte subtraction (see head6).
+__device__ __forceinline__ void q6QuadsU(uint32_t qa, uint32_t qb, uint32_t h, int (&v)[4]) {
+	v[0] = (int)((qa & 0x0f0f0f0fu) | ((h << 4) & 0x30303030u));
+	v[1] = (int)((qb & 0x0f0f0f0fu) | ((h << 2) & 0x30303030u));
+	v[2] = (int)(((qa >> 4) & 0x0f0f0f0fu) | (h & 0x30303030u));
+	v[3] = (int)(((qb >> 4) & 0x0f0f0f0fu) | ((h >> 2) & 0x30303030u));
+}
 __device__ __forceinline__ void q6Quads(const uint8_t *ql, const uint8_t *qh, int l, int (&v)[4]) {
 	q6QuadsW(u32At2(ql + l), u32At2(ql + l + 32), u32At2(qh + l), v);
 }
@@ -574,9 +591,12 @@ __device__ __forceinline__ void q6Quads(const uint8_t *ql, const uint8_t *qh, in
 // The integer sums s of half a Q6_K block against the input, by quarter
 // and 16 weights: words(l) gives the block's low bits of weights l..l+3
 // and l+32..l+35 of the half, and their high bits (q6QuadsW's qa, qb, h),
-// from shared memory (gemv) or registers (head6).
-template <typename Words>
-__device__ __forceinline__ void q6HalfSums(Words words, int half, int sb, const int8_t *xq, int (&s)[4][2]) {
+// from shared memory (gemv) or registers (head6). With xs16 (the input's
+// sums of 16, see xs16At) it takes the weights unbiased and subtracts 32
+// times those sums from each sum of 16: the same integers.
+template <bool kUnbiased = false, typename Words>
+__device__ __forceinline__ void q6HalfSums(Words words, int half, int sb, const int8_t *xq, int (&s)[4][2],
+                                           const int *xs16 = nullptr) {
 	// The input's int at byte o of this half.
 	auto xi = [&](int o) {
 		o += 128 * half;
@@ -588,10 +608,20 @@ __device__ __forceinline__ void q6HalfSums(Words words, int half, int sb, const 
 	for (int l = 0; l < 32; l += 4) {
 		const uint3 q = words(l);
 		int v[4];
-		q6QuadsW(q.x, q.y, q.z, v);
+		if constexpr (kUnbiased)
+			q6QuadsU(q.x, q.y, q.z, v);
+		else
+			q6QuadsW(q.x, q.y, q.z, v);
 		const int g = l >> 4;
 #pragma unroll
 		for (int m = 0; m < 4; m++) s[m][g] = __dp4a(v[m], xi(32 * m + l), s[m][g]);
+	}
+	if constexpr (kUnbiased) {
+		// Chunks 8 half + 2m + g: the int4s of quarters 2 half and 2 half + 1.
+		const int4 t0 = reinterpret_cast<const int4 *>(xs16)[xs16At(sb, 2 * half)];
+		const int4 t1 = reinterpret_cast<const int4 *>(xs16)[xs16At(sb, 2 * half + 1)];
+		s[0][0] -= 32 * t0.x, s[0][1] -= 32 * t0.y, s[1][0] -= 32 * t0.z, s[1][1] -= 32 * t0.w;
+		s[2][0] -= 32 * t1.x, s[2][1] -= 32 * t1.y, s[3][0] -= 32 * t1.z, s[3][1] -= 32 * t1.w;
 	}
 }
 
@@ -766,6 +796,13 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 // or one of 512 with one in flight (128 registers, spilling) 122-130 in
 // the head but 1.661-1.697 ms a step; 16-byte loads of the input
 // changed nothing.
+// Its weights go into the dot products unbiased (0 to 63), 32 times the
+// input's sums of 16 subtracted from each sum of 16 afterwards, where
+// gemv subtracts 32 from every byte with __vsubss4, which sm_80 and later
+// emulate in several instructions: the same integers, so the same bits
+// (fused_check's logits hashes), and the head took 98.0 us against
+// 120.7-120.9, a greedy step at 64 cells 1.556-1.564 ms against
+// 1.590-1.593 (run 262, alternating).
 constexpr int kHeadPieces = 13, kHeadThreads = 384;
 
 __global__ void packHead6(const uint8_t *src, uint8_t *dst, int rows, int rowBytes, int spr, int rpp, int unitBytes) {
@@ -799,10 +836,10 @@ __device__ __forceinline__ uint32_t ldStream2(const void *p) {
 
 // dotQ6Half on a super-block's 208 bytes in registers (w).
 __device__ __forceinline__ float dotQ6HalfR(const uint32_t (&w)[4 * kHeadPieces], float d, int half, int sb, const int8_t *xq,
-                                            const float2 *xds) {
+                                            const float2 *xds, const int *xs16) {
 	int s[4][2];
-	q6HalfSums([&](int l) { return uint3{w[16 * half + l / 4], w[16 * half + 8 + l / 4], w[32 + 8 * half + l / 4]}; }, half, sb,
-	           xq, s);
+	q6HalfSums<true>([&](int l) { return uint3{w[16 * half + l / 4], w[16 * half + 8 + l / 4], w[32 + 8 * half + l / 4]}; },
+	                      half, sb, xq, s, xs16);
 	int8_t sc[8];
 #pragma unroll
 	for (int i = 0; i < 8; i++) sc[i] = (int8_t)(w[48 + 2 * half + i / 4] >> (8 * (i & 3)));
@@ -810,8 +847,10 @@ __device__ __forceinline__ float dotQ6HalfR(const uint32_t (&w)[4 * kHeadPieces]
 }
 
 // Shared memory: the quantized input, its scales, the norm's reduction
-// space and the norm's weights.
-__host__ __device__ size_t head6Smem(int k) { return (size_t)k + (size_t)k / 32 * sizeof(float2) + (kRed + (size_t)k) * sizeof(float); }
+// space, the norm's weights and the input's sums of 16 (xs16).
+__host__ __device__ size_t head6Smem(int k) {
+	return (size_t)k + (size_t)k / 32 * sizeof(float2) + (kRed + (size_t)k) * sizeof(float) + (size_t)k / 16 * sizeof(int);
+}
 
 __global__ void __launch_bounds__(kHeadThreads, 1) head6(GemvArgs a) {
 	constexpr int kWarps = kHeadThreads / 32;
@@ -820,6 +859,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) head6(GemvArgs a) {
 	float2 *xds = reinterpret_cast<float2 *>(xq + a.k);
 	float *red = reinterpret_cast<float *>(xds + a.k / 32);
 	float *normS = red + kRed;
+	int *xs16 = reinterpret_cast<int *>(normS + a.k);
 	const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	const int L = a.rpp * a.group, mySlot = lane / a.group, myIdx = lane % a.group;
 	const int units = (a.total + a.rpp - 1) / a.rpp;
@@ -850,7 +890,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) head6(GemvArgs a) {
 	if (a.debug & 1)
 		afterLoads();
 	else
-		quantizeInput<kHeadThreads>(a, xq, xds, red, normS, afterLoads);
+		quantizeInput<kHeadThreads>(a, xq, xds, red, normS, afterLoads, xs16);
 	for (int k0 = 0; k0 < steps; k0 += 2) {
 #pragma unroll
 		for (int p = 0; p < 2; p++) {
@@ -864,7 +904,7 @@ __global__ void __launch_bounds__(kHeadThreads, 1) head6(GemvArgs a) {
 				for (int j = 0; j < kHeadPieces; j++)
 					w[4 * j] = W[p][j].x, w[4 * j + 1] = W[p][j].y, w[4 * j + 2] = W[p][j].z, w[4 * j + 3] = W[p][j].w;
 				const float d = __half2float(__ushort_as_half((unsigned short)D[p]));
-				acc += dotQ6HalfR(w, d, 0, myIdx, xq, xds) + dotQ6HalfR(w, d, 1, myIdx, xq, xds); // as gemv sums
+				acc += dotQ6HalfR(w, d, 0, myIdx, xq, xds, xs16) + dotQ6HalfR(w, d, 1, myIdx, xq, xds, xs16); // as gemv sums
 			}
 			for (int sl = 0; sl < a.rpp; sl++) {
 				const float t = warpSum(mySlot == sl ? acc : 0.f);

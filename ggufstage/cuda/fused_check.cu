@@ -328,6 +328,18 @@ static void step(mf_engine *e, int tok, const float *hidden, int pos, int loc, c
 	}
 }
 
+// pickOf steps one row as step does, asking for its greedy pick instead of
+// its logits.
+static int pickOf(mf_engine *e, int tok, const float *hidden, int pos, int loc, const std::vector<int> &cells) {
+	char err[512];
+	int pick = -2, n = (int)cells.size();
+	if (mf_step_rows_picks(e, 1, &tok, hidden, &pos, &loc, cells.data(), &n, nullptr, 0, &pick, err, sizeof err)) {
+		fprintf(stderr, "mf_step_rows_picks: %s\n", err);
+		exit(1);
+	}
+	return pick;
+}
+
 static int check(int embd, int nHead, int nKV, int hd, int n, bool qwen2 = false) {
 	const int ffn = 5632, vocab = 3000, cells = 256, nLayer = 2;
 	Model m = makeModel(nLayer, embd, nHead, nKV, hd, ffn, vocab, cells, qwen2);
@@ -374,9 +386,15 @@ static int check(int embd, int nHead, int nKV, int hd, int n, bool qwen2 = false
 		if (memcmp(&logits[i], &split[i], 4)) bitsDiffer++;
 	}
 	const double rel = std::sqrt(num / den);
-	const bool ok = nan == 0 && rel < 2e-3 && argRef == argGot && bitsDiffer == 0 && cacheErr < 2e-2;
-	printf("check %s n_embd %d, heads %d/%d of %d, %d cells: logits rel err %.2e (max abs %.2e), argmax %d vs %d, split differs in %d, cache err %.1e, nonfinite %d: %s\n",
-	       qwen2 ? "qwen2" : "llama", embd, nHead, nKV, hd, n, rel, worst, argGot, argRef, bitsDiffer, cacheErr, nan, ok ? "ok" : "FAIL");
+	// The same step again (it rewrites the same cell alike), asking for the
+	// greedy pick, whole and split.
+	const int pickWhole = pickOf(whole, tok, nullptr, pos, loc, used), pickSplit = pickOf(b, 0, hidden.data(), pos, loc, used);
+	const int pickWant = greedyPick(logits.data(), vocab);
+	const bool ok = nan == 0 && rel < 2e-3 && argRef == argGot && bitsDiffer == 0 && cacheErr < 2e-2 && pickWhole == pickWant &&
+	                pickSplit == pickWant;
+	printf("check %s n_embd %d, heads %d/%d of %d, %d cells: logits rel err %.2e (max abs %.2e), argmax %d vs %d, split differs in %d, cache err %.1e, nonfinite %d, greedy picks %d and %d (split), want %d: %s\n",
+	       qwen2 ? "qwen2" : "llama", embd, nHead, nKV, hd, n, rel, worst, argGot, argRef, bitsDiffer, cacheErr, nan, pickWhole,
+	       pickSplit, pickWant, ok ? "ok" : "FAIL");
 	mf_destroy(whole), mf_destroy(a), mf_destroy(b);
 	return ok ? 0 : 1;
 }
@@ -499,6 +517,52 @@ static int checkRows(int embd, int nHead, int nKV, int hd, int rows, const char 
 	mf_destroy(whole), mf_destroy(a), mf_destroy(b);
 	if (rowsSplits) unsetenv("MESHNODE_FUSED_ATTN_ROWS_SPLITS"), printf("  (attention of several rows in up to %s splits)\n", rowsSplits);
 	return ok ? 0 : 1;
+}
+
+// checkHeadPicks: one row's greedy pick (mf_step_rows_picks) against
+// greedyPick of the same step's logits, on an output matrix with rows made
+// to tie with the best (one before it, one after), rows whose first scale
+// is NaN, and rows whose first scale is +Inf, some of which then give
+// +Inf (ties of FLT_MAX, the first of which wins). With packed "0" the
+// head runs through gemv, else through head6 where there is room.
+static int checkHeadPicks(const char *packed) {
+	setenv("MESHNODE_FUSED_PACKED_HEAD", packed, 1);
+	if (!*packed) unsetenv("MESHNODE_FUSED_PACKED_HEAD");
+	const int embd = 2048, vocab = 50000, cells = 64, n = 20, tok = 77;
+	Model m = makeModel(1, embd, 16, 4, 128, 5632, vocab, cells);
+	DeviceModel d = uploadModel(m);
+	std::vector<int> used(n);
+	for (int i = 0; i < n; i++) used[i] = i;
+	const size_t rb = rowBytesOf(MF_Q6_K, embd);
+	auto setScale = [&](int row, uint16_t h) { // the f16 d of the row's first super-block
+		CHECK(cudaMemcpy((uint8_t *)d.output + rb * row + 208, &h, 2, cudaMemcpyHostToDevice));
+	};
+	std::vector<float> l(vocab);
+	int bad = 0;
+	for (int variant = 0; variant < 3; variant++) {
+		mf_engine *e = create(configOf(m, d, 0, 1));
+		step(e, tok, nullptr, n, n, used, l.data());
+		const int want = greedyPick(l.data(), vocab), got = pickOf(e, tok, nullptr, n, n, used);
+		int nan = 0, inf = 0;
+		for (float x : l) nan += x != x, inf += x == INFINITY;
+		printf("check head picks (%s), %s: pick %d, want %d (%d NaN, %d +Inf logits): %s\n",
+		       *packed ? "through gemv" : "packed where there is room",
+		       variant == 0 ? "random" : variant == 1 ? "ties" : "ties, NaN and +Inf", got, want, nan, inf, got == want ? "ok" : "FAIL");
+		bad += got != want;
+		mf_destroy(e);
+		if (variant == 0) {
+			// Two more rows as the best, one before it and one after (in other
+			// blocks' units).
+			const int early = want / 3, late = want + (vocab - want) / 2;
+			CHECK(cudaMemcpy((uint8_t *)d.output + rb * early, (uint8_t *)d.output + rb * want, rb, cudaMemcpyDeviceToDevice));
+			CHECK(cudaMemcpy((uint8_t *)d.output + rb * late, (uint8_t *)d.output + rb * want, rb, cudaMemcpyDeviceToDevice));
+		} else if (variant == 1) {
+			for (int r : {5, 4000, 31000}) setScale(r, 0x7e00);          // NaN
+			for (int r = 20011; r < 20011 + 16 * 613; r += 613) setScale(r, 0x7c00); // +Inf
+		}
+	}
+	unsetenv("MESHNODE_FUSED_PACKED_HEAD");
+	return bad ? 1 : 0;
 }
 
 // checkPicks runs the greedy-pick kernel on rows with NaN, infinities, ties
@@ -676,6 +740,18 @@ static int bench(bool big) {
 		printf("  context %4d: step %.3f ms median (min %.3f), %.1f tok/s; %.2f of the file floor (%.1f tok/s), %.2f of the read floor; %.0f GB/s; logits %s, hash %016llx\n",
 		       n, med * 1e3, t[0] * 1e3, 1 / med, (fileBytes / bw) / med, bw / fileBytes, (bytes / bw) / med,
 		       bytes / med / 1e9, finite ? "finite" : "NOT FINITE", (unsigned long long)hash);
+		// The same steps asking for the greedy pick, as meshnode's greedy
+		// decoding does: no logits cross the bus.
+		t.clear();
+		int pick = 0;
+		for (int i = 0; i < 100; i++) {
+			auto s = std::chrono::steady_clock::now();
+			pick = pickOf(e, (i * 7919) % vocab, nullptr, n, loc, used);
+			t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count());
+		}
+		std::sort(t.begin(), t.end());
+		printf("  context %4d: greedy-pick step %.3f ms median (min %.3f), %.2f of the read floor; last pick %d, of the logits %d\n", n,
+		       t[t.size() / 2] * 1e3, t[0] * 1e3, (bytes / bw) / t[t.size() / 2], pick, greedyPick(logits.data(), vocab));
 	}
 	// Several sequences at once, each at 576 cells: the cells are shared
 	// (only reads), the cells written differ.
@@ -742,6 +818,8 @@ int main(int argc, char **argv) {
 			bad |= check(2048, 32, 4, 64, 40, true);
 		}
 		unsetenv("MESHNODE_FUSED_PACKED_HEAD");
+		bad |= checkHeadPicks("");
+		bad |= checkHeadPicks("0");
 		// Several sequences in one pass.
 		bad |= checkPicks();
 		bad |= checkRows(2048, 16, 4, 128, 3);

@@ -72,6 +72,6 @@ __device__ int min(int, int); __device__ int max(int, int); __device__ unsigned 
 __host__ __device__ float4 make_float4(float, float, float, float);
 cudaError_t cudaHostAlloc(void **, size_t, unsigned); template <class T> cudaError_t cudaHostAlloc(T **p, size_t n, unsigned f) { return cudaHostAlloc((void **)p, n, f); }
 cudaError_t cudaConfigureCall(dim3, dim3, size_t = 0, cudaStream_t = 0);
-__device__ float4 __ldcg(const float4 *); __device__ void __nanosleep(unsigned);
+__device__ float4 __ldcg(const float4 *); __device__ int __ldcg(const int *); __device__ void __nanosleep(unsigned);
 cudaError_t cudaDeviceSynchronize();
 __device__ long long clock64();
