@@ -81,6 +81,8 @@ constexpr int kMaxRows = 16, kTileRows = 8;
 // The parameters' ints, in 256 bytes' steps so that the input after them
 // is aligned as cudaMalloc's is.
 constexpr int kParamInts = (kMaxRows * kParams + 63) / 64 * 64;
+// Passes queued at once (mf_queue_picks): the one running and the next.
+constexpr int kStaging = 2;
 constexpr int kRed = 64; // floats of the norms' reduction space in shared memory
 // gemvMMA holds its whole input in shared memory: eight rows of up to
 // 16384 columns fit beside its stages in an H100's or H200's 227 KB a
@@ -1787,10 +1789,12 @@ template <int HD, int GMAX> __global__ void __launch_bounds__(kAttnThreads) atte
 }
 
 // Each row's token's row of the embedding table, as floats.
-__global__ void embed(const uint8_t *table, int type, int k, const int *params, float *x, int nrows) {
+// A row's token -1 is the greedy pick of the same row of the pass before
+// (prev, which greedyPicks wrote; see mf_queue_picks).
+__global__ void embed(const uint8_t *table, int type, int k, const int *params, const int *prev, float *x, int nrows) {
 	for (int at = blockIdx.x * blockDim.x + threadIdx.x; at < nrows * k; at += gridDim.x * blockDim.x) {
-		const int i = at % k;
-		const uint8_t *row = table + (size_t)params[(at / k) * kParams + 3] * rowBytes(type, k);
+		const int i = at % k, token = params[(at / k) * kParams + 3];
+		const uint8_t *row = table + (size_t)(token < 0 ? prev[at / k] : token) * rowBytes(type, k);
 		float v = 0.f;
 		switch (type) {
 		case MF_F32: v = reinterpret_cast<const float *>(row)[i]; break;
@@ -1888,13 +1892,19 @@ __global__ void greedyPartials(const float *__restrict__ logits, int vocab, floa
 
 // greedyReduce: one warp a row takes the best of the row's parts
 // candidates and writes the row's pick, 0 when no logit beat -Inf.
-__global__ void greedyReduce(const float *__restrict__ pv, const int *__restrict__ pat, int parts, int *__restrict__ picks) {
+// dev, where not null, takes a copy on the device for the next pass's
+// tokens (embed).
+__global__ void greedyReduce(const float *__restrict__ pv, const int *__restrict__ pat, int parts, int *__restrict__ picks,
+                             int *__restrict__ dev) {
 	const int r = blockIdx.x, lane = threadIdx.x;
 	float v = -INFINITY;
 	int at = -1;
 	for (int i = lane; i < parts; i += 32) takeBetter(v, at, pv[r * parts + i], pat[r * parts + i]);
 	warpBest(v, at);
-	if (lane == 0) picks[r] = at < 0 ? 0 : at;
+	if (lane == 0) {
+		picks[r] = at < 0 ? 0 : at;
+		if (dev) dev[r] = picks[r];
+	}
 }
 
 // greedyPicks queues the kernels that write each row's greedy pick as
@@ -1902,9 +1912,10 @@ __global__ void greedyReduce(const float *__restrict__ pv, const int *__restrict
 // apply: the index of the row's largest logit, NaN counting as -Inf and +Inf
 // as the largest finite float (sample.sanitize), the lowest index on ties,
 // 0 when every logit is -Inf. pv and pat hold rows × kPickBlocks candidates.
-static cudaError_t greedyPicks(const float *logits, int rows, int vocab, float *pv, int *pat, int *picks, cudaStream_t s) {
+static cudaError_t greedyPicks(const float *logits, int rows, int vocab, float *pv, int *pat, int *picks, int *dev,
+                               cudaStream_t s) {
 	greedyPartials<<<dim3(kPickBlocks, rows), kPickThreads, 0, s>>>(logits, vocab, pv, pat);
-	greedyReduce<<<rows, 32, 0, s>>>(pv, pat, kPickBlocks, picks);
+	greedyReduce<<<rows, 32, 0, s>>>(pv, pat, kPickBlocks, picks, dev);
 	return cudaGetLastError();
 }
 
@@ -1926,13 +1937,21 @@ struct mf_engine {
 	// A pass's input, on the device and its pinned twin on the host: the
 	// rows' cells (up to cellInts, ending at params), the parameters, and
 	// a stage's hidden input (x, inside the device's).
+	// The host's twin has kStaging slots of inputInts, one for each pass
+	// queued at once (mf_queue_picks); a step takes slot 0.
 	int *input = nullptr, *hostInput = nullptr;
-	size_t cellInts = 0;
-	int *params = nullptr, *hostParams = nullptr;
-	float *hostX = nullptr;
+	size_t cellInts = 0, inputInts = 0;
+	int *params = nullptr;
 	float *hostIO = nullptr; // pinned: out
-	int *hostPicks = nullptr;    // greedy picks of a pass's rows (last stage), pinned
+	int *hostPicks = nullptr;    // greedy picks of a pass's rows (last stage), pinned: kStaging slots of kMaxRows
 	int *hostPicksDev = nullptr; // its device address: greedyPicks writes there
+	int *devPicks = nullptr;     // the last picks on the device, for tokens -1 (embed)
+	// Passes queued by mf_queue_picks and not yet waited for: queued of
+	// them, the oldest in staging slot qOldest, of qRows[slot] rows, done
+	// at event qDone[slot]. prevRows: the rows of the last pass whose picks
+	// devPicks holds (0: none, or not the pass before).
+	int queued = 0, qOldest = 0, qRows[kStaging] = {}, prevRows = 0;
+	cudaEvent_t qDone[kStaging] = {};
 	float *pickV = nullptr;      // greedyPicks' candidates: rows × kPickBlocks values
 	int *pickAt = nullptr;       // and their indices
 	int pdl = 1;
@@ -2285,7 +2304,8 @@ void enqueue(mf_engine *e, int n, int mergeSplits) {
 	const mf_config &c = e->c;
 	const int qd = c.n_head * c.head_dim, kvd = c.n_kv_head * c.head_dim;
 	if (e->first)
-		embed<<<(n * c.embd + 255) / 256, 256, 0, e->stream>>>((const uint8_t *)c.tok_embd, c.embd_type, c.embd, e->params, e->x, n);
+		embed<<<(n * c.embd + 255) / 256, 256, 0, e->stream>>>((const uint8_t *)c.tok_embd, c.embd_type, c.embd, e->params,
+		                                                     e->devPicks, e->x, n);
 	for (int i = 0; i < c.n_layer; i++) {
 		const mf_layer &L = e->layers[i];
 		const void *bias[3] = {L.bq, L.bk, L.bv};
@@ -2511,10 +2531,11 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	CE(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
 	e->cellInts = ((size_t)R * c.cells + 63) / 64 * 64;
 	const size_t inputBytes = sizeof(int) * (e->cellInts + kParamInts) + sizeof(float) * R * c.embd;
+	e->inputInts = inputBytes / sizeof(int);
 	CE(cudaMalloc(&e->input, inputBytes));
-	CE(cudaMallocHost(&e->hostInput, inputBytes));
-	e->params = e->input + e->cellInts, e->hostParams = e->hostInput + e->cellInts;
-	e->x = (float *)(e->params + kParamInts), e->hostX = (float *)(e->hostParams + kParamInts);
+	CE(cudaMallocHost(&e->hostInput, inputBytes * kStaging));
+	e->params = e->input + e->cellInts;
+	e->x = (float *)(e->params + kParamInts);
 	CE(cudaMalloc(&e->qkv, sizeof(float) * R * (qd + 2 * kvd)));
 	CE(cudaMalloc(&e->att, sizeof(float) * R * qd));
 	CE(cudaMalloc(&e->act, sizeof(float) * R * c.ffn));
@@ -2551,8 +2572,10 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	CE(cudaMallocHost(&e->hostIO, sizeof(float) * R * io));
 	if (e->last) {
 		CE(cudaMalloc(&e->logits, sizeof(float) * R * c.vocab));
-		CE(cudaMallocHost(&e->hostPicks, sizeof(int) * R));
+		CE(cudaMallocHost(&e->hostPicks, sizeof(int) * R * kStaging));
 		CE(cudaHostGetDevicePointer((void **)&e->hostPicksDev, e->hostPicks, 0));
+		CE(cudaMalloc(&e->devPicks, sizeof(int) * R));
+		for (cudaEvent_t &ev : e->qDone) CE(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
 		CE(cudaMalloc(&e->pickV, sizeof(float) * R * kPickBlocks));
 		CE(cudaMalloc(&e->pickAt, sizeof(int) * R * kPickBlocks));
 	}
@@ -2610,18 +2633,23 @@ extern "C" int mf_step_rows(mf_engine *e, int rows, const int *tokens, const flo
 	return mf_step_rows_picks(e, rows, tokens, hidden, pos, loc, cells, ncells, out, out_pinned, nullptr, err, errlen);
 }
 
-extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos,
-                                  const int *loc, const int32_t *cells, const int *ncells, float *out, int out_pinned,
-                                  int *picks, char *err, int errlen) {
+namespace {
+
+// stagePass checks a pass's input and writes it into staging slot slot:
+// the rows' cells, then their parameters, then (not a first stage) their
+// hidden states. Tokens -1 take the picks of the pass before, which must
+// have had prevRows rows or more. It sets *total to the cells' count and
+// *inBytes to the bytes to copy. 0, or 1 with err.
+int stagePass(mf_engine *e, int slot, int rows, const int *tokens, const float *hidden, const int *pos, const int *loc,
+              const int32_t *cells, const int *ncells, int prevRows, int *totalOut, size_t *inBytes, char *err, int errlen) {
 	const mf_config &c = e->c;
 	if (rows < 1 || rows > e->maxRows) return errf(err, errlen, "%d rows in a pass (1 to %d)", rows, e->maxRows), 1;
-	if (picks && !e->last) return errf(err, errlen, "greedy picks asked of a stage without the output layer"), 1;
 	int total = 0;
 	for (int r = 0; r < rows; r++) {
 		const int n = ncells[r];
 		if (n < 0 || n >= c.cells || loc[r] < 0 || loc[r] >= c.cells || pos[r] < 0)
 			return errf(err, errlen, "row %d: position %d, cell %d, %d cells: outside the cache's %d", r, pos[r], loc[r], n, c.cells), 1;
-		if (e->first && (tokens[r] < 0 || tokens[r] >= c.vocab))
+		if (e->first && !(tokens[r] == -1 && r < prevRows) && (tokens[r] < 0 || tokens[r] >= c.vocab))
 			return errf(err, errlen, "row %d: token %d outside the vocabulary of %d", r, tokens[r], c.vocab), 1;
 		total += n;
 	}
@@ -2635,43 +2663,68 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 	for (int r = 0; r < rows; r++)
 		for (int q = 0; q < r; q++)
 			if (loc[q] == loc[r]) return errf(err, errlen, "rows %d and %d both write cache cell %d", q, r, loc[r]), 1;
-	const auto t0 = std::chrono::steady_clock::now();
-	int *hp = e->hostParams;
+	int *hp = e->hostInput + (size_t)slot * e->inputInts + e->cellInts;
 	for (int r = 0, off = 0; r < rows; off += ncells[r], r++) {
 		int *p = hp + r * kParams;
 		p[0] = pos[r], p[1] = loc[r], p[2] = ncells[r], p[3] = e->first ? tokens[r] : 0, p[4] = off - total;
 	}
 	memcpy(hp - total, cells, sizeof(int) * total);
-	size_t inBytes = sizeof(int) * (total + kParamInts);
+	*inBytes = sizeof(int) * (total + kParamInts);
 	if (!e->first) {
-		memcpy(e->hostX, hidden, sizeof(float) * rows * c.embd);
-		inBytes += sizeof(float) * rows * c.embd;
+		memcpy(hp + kParamInts, hidden, sizeof(float) * rows * c.embd);
+		*inBytes += sizeof(float) * rows * c.embd;
 	}
-	CK(cudaSetDevice(c.device));
+	*totalOut = total;
+	return 0;
+}
+
+// launchPass queues a staged pass's input copy and its graph; ncells0 is
+// its first row's cells (which pick the graph). With timing, events
+// around both.
+int launchPass(mf_engine *e, int slot, int rows, int total, size_t inBytes, int ncells0, bool timing, char *err, int errlen) {
+	CK(cudaSetDevice(e->c.device));
 	cudaGraphExec_t exec;
 	// The splits a head takes, as attention counts them: two or more of
 	// one round each merge in clusters (mf_engine.execMerge).
-	const int splits = std::min(e->attnSplits, std::max(1, (ncells[0] + e->attnCells - 1) / e->attnCells));
-	const bool merge = rows == 1 && e->mergeInClusters && splits > 1 && ncells[0] <= e->attnCells * e->attnSplits;
+	const int splits = std::min(e->attnSplits, std::max(1, (ncells0 + e->attnCells - 1) / e->attnCells));
+	const bool merge = rows == 1 && e->mergeInClusters && splits > 1 && ncells0 <= e->attnCells * e->attnSplits;
 	CK(graphFor(e, rows, &exec, merge ? (e->mergeFit ? splits : e->attnSplits) : 0));
-	if (e->timing && !e->ev0) {
+	if (timing && !e->ev0) {
 		CK(cudaEventCreate(&e->evIn));
 		CK(cudaEventCreate(&e->ev0));
 		CK(cudaEventCreate(&e->ev1));
 		CK(cudaEventCreate(&e->evOut));
 	}
-	if (e->timing) CK(cudaEventRecord(e->evIn, e->stream));
+	if (timing) CK(cudaEventRecord(e->evIn, e->stream));
 	// A copy, not a first kernel of the graph that reads the pinned
 	// buffers over the bus: that kernel took as long (run 148).
+	const int *hp = e->hostInput + (size_t)slot * e->inputInts + e->cellInts;
 	CK(cudaMemcpyAsync(e->params - total, hp - total, inBytes, cudaMemcpyHostToDevice, e->stream));
-	if (e->timing) CK(cudaEventRecord(e->ev0, e->stream));
+	if (timing) CK(cudaEventRecord(e->ev0, e->stream));
 	std::chrono::steady_clock::time_point tLaunch;
-	if (e->timing) tLaunch = std::chrono::steady_clock::now();
+	if (timing) tLaunch = std::chrono::steady_clock::now();
 	CK(cudaGraphLaunch(exec, e->stream));
-	if (e->timing) {
+	if (timing) {
 		e->launchMs += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tLaunch).count();
 		CK(cudaEventRecord(e->ev1, e->stream));
 	}
+	return 0;
+}
+
+} // namespace
+
+extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos,
+                                  const int *loc, const int32_t *cells, const int *ncells, float *out, int out_pinned,
+                                  int *picks, char *err, int errlen) {
+	const mf_config &c = e->c;
+	if (picks && !e->last) return errf(err, errlen, "greedy picks asked of a stage without the output layer"), 1;
+	if (e->queued) return errf(err, errlen, "a step while %d queued passes are not waited for", e->queued), 1;
+	int total = 0;
+	size_t inBytes = 0;
+	if (stagePass(e, 0, rows, tokens, hidden, pos, loc, cells, ncells, 0, &total, &inBytes, err, errlen)) return 1;
+	const auto t0 = std::chrono::steady_clock::now();
+	e->prevRows = 0;
+	if (launchPass(e, 0, rows, total, inBytes, ncells[0], e->timing, err, errlen)) return 1;
 	const size_t nout = (size_t)rows * (e->last ? c.vocab : c.embd);
 	if (picks) {
 		// 4 bytes a row cross the bus instead of the vocabulary's logits,
@@ -2681,7 +2734,7 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 		// reads once the stream is done: the picks and their copy took
 		// 0.014-0.015 ms on the GPU, the picks alone 0.010 (runs 139,
 		// 148).
-		CK(greedyPicks(e->logits, rows, c.vocab, e->pickV, e->pickAt, e->hostPicksDev, e->stream));
+		CK(greedyPicks(e->logits, rows, c.vocab, e->pickV, e->pickAt, e->hostPicksDev, nullptr, e->stream));
 	} else {
 		CK(cudaMemcpyAsync(out_pinned ? out : e->hostIO, e->last ? e->logits : e->x, sizeof(float) * nout,
 		                   cudaMemcpyDeviceToHost, e->stream));
@@ -2708,6 +2761,30 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 			e->timed = 0, e->inMs = e->gpuMs = e->outMs = e->launchMs = e->wallMs = 0;
 		}
 	}
+	return 0;
+}
+
+extern "C" int mf_queue_picks(mf_engine *e, int rows, const int *tokens, const int *pos, const int *loc, const int32_t *cells,
+                              const int *ncells, char *err, int errlen) {
+	if (!e->first || !e->last) return errf(err, errlen, "passes queued on a stage without both the embedding and the output layer"), 1;
+	if (e->queued == kStaging) return errf(err, errlen, "%d passes queued already", e->queued), 1;
+	const int slot = (e->qOldest + e->queued) % kStaging;
+	int total = 0;
+	size_t inBytes = 0;
+	if (stagePass(e, slot, rows, tokens, nullptr, pos, loc, cells, ncells, e->prevRows, &total, &inBytes, err, errlen)) return 1;
+	if (launchPass(e, slot, rows, total, inBytes, ncells[0], false, err, errlen)) return 1;
+	CK(greedyPicks(e->logits, rows, e->c.vocab, e->pickV, e->pickAt, e->hostPicksDev + slot * kMaxRows, e->devPicks, e->stream));
+	CK(cudaEventRecord(e->qDone[slot], e->stream));
+	e->qRows[slot] = rows, e->prevRows = rows, e->queued++;
+	return 0;
+}
+
+extern "C" int mf_wait_picks(mf_engine *e, int *picks, char *err, int errlen) {
+	if (!e->queued) return errf(err, errlen, "no queued pass to wait for"), 1;
+	const int slot = e->qOldest;
+	e->qOldest = (slot + 1) % kStaging, e->queued--;
+	CK(cudaEventSynchronize(e->qDone[slot]));
+	if (picks) memcpy(picks, e->hostPicks + slot * kMaxRows, sizeof(int) * e->qRows[slot]);
 	return 0;
 }
 
@@ -2804,7 +2881,7 @@ extern "C" int mf_greedy_picks(const float *logits, int rows, int vocab, int *pi
 	if (ce == cudaSuccess) ce = cudaMalloc(&pv, sizeof(float) * rows * kPickBlocks);
 	if (ce == cudaSuccess) ce = cudaMalloc(&pat, sizeof(int) * rows * kPickBlocks);
 	if (ce == cudaSuccess) ce = cudaMemcpy(d, logits, sizeof(float) * rows * vocab, cudaMemcpyHostToDevice);
-	if (ce == cudaSuccess) ce = greedyPicks(d, rows, vocab, pv, pat, dp, nullptr);
+	if (ce == cudaSuccess) ce = greedyPicks(d, rows, vocab, pv, pat, dp, nullptr, nullptr);
 	if (ce == cudaSuccess) ce = cudaMemcpy(picks, dp, sizeof(int) * rows, cudaMemcpyDeviceToHost);
 	cudaFree(d), cudaFree(dp), cudaFree(pv), cudaFree(pat);
 	return ce;
@@ -2850,7 +2927,9 @@ extern "C" void mf_destroy(mf_engine *e) {
 		if (x) cudaGraphExecDestroy(x);
 	cudaFree(e->input), cudaFree(e->qkv), cudaFree(e->att), cudaFree(e->act), cudaFree(e->logits);
 	cudaFree(e->part), cudaFree(e->counter), cudaFree(e->img), cudaFree(e->kpart), cudaFree(e->kcount);
-	cudaFree(e->pickV), cudaFree(e->pickAt), cudaFree(e->head6W);
+	cudaFree(e->pickV), cudaFree(e->pickAt), cudaFree(e->head6W), cudaFree(e->devPicks);
+	for (cudaEvent_t ev : e->qDone)
+		if (ev) cudaEventDestroy(ev);
 	if (e->hostInput) cudaFreeHost(e->hostInput);
 	if (e->hostPicks) cudaFreeHost(e->hostPicks);
 	if (e->hostIO) cudaFreeHost(e->hostIO);

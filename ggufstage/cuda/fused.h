@@ -83,6 +83,22 @@ int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, const float *h
                        const int32_t *cells, const int *ncells, float *out, int out_pinned, int *picks, char *err,
                        int errlen);
 
+// mf_queue_picks queues a greedy pass (as mf_step_rows_picks) of a stage
+// with both the embedding and the output layer, without waiting for it, so
+// that the GPU can go from one pass to the next with no host in between.
+// A row's token -1 is the greedy pick of the same row of the pass queued
+// just before (which must have had that row): a sequence's next token,
+// before the host knows it. At most two passes are queued at once;
+// mf_wait_picks waits for the oldest and writes its rows' picks (picks may
+// be NULL). A pass queued ahead of its caller's next step writes its cache
+// cells before the caller knows whether it wants them: the caller reserves
+// them and, if it never takes the pass, waits for it and frees them. While
+// passes are queued, mf_step_rows and mf_step_rows_picks fail. 0, or a
+// message in err.
+int mf_queue_picks(mf_engine *e, int rows, const int *tokens, const int *pos, const int *loc, const int32_t *cells,
+                   const int *ncells, char *err, int errlen);
+int mf_wait_picks(mf_engine *e, int *picks, char *err, int errlen);
+
 // mf_max_rows is the most rows mf_step_rows takes: 8, fewer where the
 // rows' inputs leave the mat-vecs too little shared memory (4 for a
 // feed-forward of 27648, the 32B shape), or MESHNODE_FUSED_ROWS.

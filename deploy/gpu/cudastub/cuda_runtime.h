@@ -42,6 +42,7 @@ cudaError_t cudaFree(void *); cudaError_t cudaMalloc(void **, size_t); template 
 cudaError_t cudaGetLastError(); const char *cudaGetErrorString(cudaError_t);
 cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = 0); cudaError_t cudaEventCreate(cudaEvent_t *); cudaError_t cudaEventDestroy(cudaEvent_t);
 cudaError_t cudaEventElapsedTime(float *, cudaEvent_t, cudaEvent_t); cudaError_t cudaEventSynchronize(cudaEvent_t);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *, unsigned); constexpr unsigned cudaEventDisableTiming = 2;
 cudaError_t cudaMemcpy(void *, const void *, size_t, cudaMemcpyKind); cudaError_t cudaMemcpyAsync(void *, const void *, size_t, cudaMemcpyKind, cudaStream_t = 0);
 cudaError_t cudaFreeHost(void *); cudaError_t cudaMallocHost(void **, size_t); template <class T> cudaError_t cudaMallocHost(T **p, size_t n) { return cudaMallocHost((void **)p, n); }
 cudaError_t cudaHostAlloc(void **, size_t, unsigned); cudaError_t cudaHostGetDevicePointer(void **, void *, unsigned);
