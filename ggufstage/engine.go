@@ -484,6 +484,15 @@ func (e *Engine) Info() stage.Info { return e.info }
 // WeightBytes is the memory ggml allocated for this stage's weights.
 func (e *Engine) WeightBytes() uint64 { return e.weights }
 
+// settleFused ends a fused pass queued ahead that no caller took (see
+// aheadPass), before anything else touches the cache or the GPU.
+func (e *Engine) settleFused() error {
+	if e.fused == nil {
+		return nil
+	}
+	return e.fused.settle()
+}
+
 // Open reserves a cache slot for seq.
 func (e *Engine) Open(seq stage.SeqID) error {
 	backendMu.RLock()
@@ -515,6 +524,9 @@ func (e *Engine) Trim(seq stage.SeqID, pos int32) (err error) {
 		return err
 	}
 	defer e.breakOnPanic(&err, "trimming cache")
+	if err := e.settleFused(); err != nil {
+		return err
+	}
 	e.unallocate()
 	e.dropAheadOf(seq)
 	slot, ok := e.slots[seq]
@@ -534,6 +546,9 @@ func (e *Engine) Release(seq stage.SeqID) (err error) {
 		return err
 	}
 	defer e.breakOnPanic(&err, "releasing cache")
+	if err := e.settleFused(); err != nil {
+		return err
+	}
 	e.unallocate()
 	e.dropAheadOf(seq)
 	slot, ok := e.slots[seq]
@@ -603,6 +618,8 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 		if out, ok, err := e.fused.step(b, slots, hidden); ok {
 			return out, err
 		}
+	} else if err := e.settleFused(); err != nil {
+		return nil, err
 	}
 
 	start := time.Now()
@@ -677,6 +694,7 @@ func (e *Engine) close() (err error) {
 	}
 	e.lanes = nil
 	if e.fused != nil {
+		_ = e.fused.settle()
 		e.fused.close()
 		e.fused = nil
 	}

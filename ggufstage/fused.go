@@ -31,10 +31,45 @@ import (
 // it cannot take this pass (the cache has not been written through ggml
 // yet, or the pass has more rows than the kernels take); the caller then
 // runs it through ggml.
+// settle ends any pass queued ahead of its caller that the caller did not
+// take (see aheadPass): the engine calls it before anything else touches
+// the cache or the GPU.
 type fusedPath interface {
 	step(b *stage.Batch, slots []int, hidden []float32) (out *stage.Output, ok bool, err error)
+	settle() error
 	close()
 }
+
+// aheadPass is a greedy pass queued ahead of its caller on a stage with both
+// the embedding and the head (cuda/fused.h mf_queue_picks): the next
+// step of the same rows, each row's token the pick of the pass before it,
+// which the GPU takes from the pass before with no host in between. Its
+// cache cells are placed when it is queued; if the caller asks for
+// anything else, the pass is waited for and its cells freed (settle).
+type aheadPass struct {
+	slots []int   // the rows' cache slots, in order
+	pos   []int32 // each row's position
+	after []int32 // each row's token: the picks of the pass before, once the host has them
+}
+
+// continuedBy says whether batch b, whose rows use cache slots slots, is the
+// pass p queued ahead: greedy, the same slots in the same order, each row
+// at p's position, and each token the pick the queued pass took for it.
+func (p *aheadPass) continuedBy(b *stage.Batch, slots []int) bool {
+	if !b.PicksOnly || len(slots) != len(p.slots) || len(b.Tokens) != len(slots) || len(b.Pos) != len(slots) ||
+		len(p.after) != len(slots) {
+		return false
+	}
+	for r := range slots {
+		if slots[r] != p.slots[r] || b.Pos[r] != p.pos[r] || b.Tokens[r] != p.after[r] {
+			return false
+		}
+	}
+	return true
+}
+
+// aheadEnabled is MESHNODE_FUSED_AHEAD: 0 turns queueing ahead off.
+func aheadEnabled() bool { return os.Getenv("MESHNODE_FUSED_AHEAD") != "0" }
 
 // fusedTakes says whether the fused path can run batch b, whose rows use
 // cache slots slots: a decode pass, each row a token of a sequence of its

@@ -19,6 +19,8 @@ typedef float *(*meshnode_mf_host_alloc_fn)(size_t);
 typedef void (*meshnode_mf_host_free_fn)(float *);
 typedef void *(*meshnode_mf_device_copy_fn)(const void *, const void *, size_t, char *, int);
 typedef void (*meshnode_mf_device_free_fn)(void *);
+typedef int (*meshnode_mf_queue_picks_fn)(mf_engine *, int, const int *, const int *, const int *, const int32_t *, const int *, char *, int);
+typedef int (*meshnode_mf_wait_picks_fn)(mf_engine *, int *, char *, int);
 static meshnode_mf_create_fn meshnode_mf_create;
 static meshnode_mf_step_rows_picks_fn meshnode_mf_step_rows_picks;
 static meshnode_mf_max_rows_fn meshnode_mf_max_rows;
@@ -27,6 +29,8 @@ static meshnode_mf_host_alloc_fn meshnode_mf_host_alloc;
 static meshnode_mf_host_free_fn meshnode_mf_host_free;
 static meshnode_mf_device_copy_fn meshnode_mf_device_copy; // NULL in a library built before it
 static meshnode_mf_device_free_fn meshnode_mf_device_free;
+static meshnode_mf_queue_picks_fn meshnode_mf_queue_picks; // NULL in a library built before them
+static meshnode_mf_wait_picks_fn meshnode_mf_wait_picks;
 
 // meshnode_mf_load opens the fused-path library: NULL, or why not.
 static const char *meshnode_mf_load(const char *path) {
@@ -40,6 +44,8 @@ static const char *meshnode_mf_load(const char *path) {
 	meshnode_mf_host_free = (meshnode_mf_host_free_fn) dlsym(h, "mf_host_free");
 	meshnode_mf_device_copy = (meshnode_mf_device_copy_fn) dlsym(h, "mf_device_copy");
 	meshnode_mf_device_free = (meshnode_mf_device_free_fn) dlsym(h, "mf_device_free");
+	meshnode_mf_queue_picks = (meshnode_mf_queue_picks_fn) dlsym(h, "mf_queue_picks");
+	meshnode_mf_wait_picks = (meshnode_mf_wait_picks_fn) dlsym(h, "mf_wait_picks");
 	if (!meshnode_mf_create || !meshnode_mf_step_rows_picks || !meshnode_mf_max_rows || !meshnode_mf_destroy || !meshnode_mf_host_alloc || !meshnode_mf_host_free)
 		return "the library lacks mf_create, mf_step_rows_picks, mf_max_rows, mf_destroy, mf_host_alloc or mf_host_free (built before meshnode's greedy picks?): rebuild it with deploy/gpu/build-cuda.sh";
 	return NULL;
@@ -49,6 +55,11 @@ static int meshnode_mf_create_call(const mf_config *c, mf_engine **e, char *err,
 static int meshnode_mf_step_rows_call(mf_engine *e, int rows, const int *tokens, const float *hidden, const int *pos, const int *loc, const int32_t *cells, const int *ncells, float *out, int pinned, int *picks, char *err, int errlen) {
 	return meshnode_mf_step_rows_picks(e, rows, tokens, hidden, pos, loc, cells, ncells, out, pinned, picks, err, errlen);
 }
+static int meshnode_mf_can_queue(void) { return meshnode_mf_queue_picks && meshnode_mf_wait_picks; }
+static int meshnode_mf_queue_picks_call(mf_engine *e, int rows, const int *tokens, const int *pos, const int *loc, const int32_t *cells, const int *ncells, char *err, int errlen) {
+	return meshnode_mf_queue_picks(e, rows, tokens, pos, loc, cells, ncells, err, errlen);
+}
+static int meshnode_mf_wait_picks_call(mf_engine *e, int *picks, char *err, int errlen) { return meshnode_mf_wait_picks(e, picks, err, errlen); }
 static int meshnode_mf_max_rows_call(mf_engine *e) { return meshnode_mf_max_rows(e); }
 static void meshnode_mf_destroy_call(mf_engine *e) { meshnode_mf_destroy(e); }
 static float *meshnode_mf_host_alloc_call(size_t n) { return meshnode_mf_host_alloc(n); }
@@ -91,14 +102,17 @@ static void *meshnode_device_data(void *t) {
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 	"unsafe"
 
+	"github.com/ollama/ollama/kvcache"
 	"github.com/ollama/ollama/ml"
 
 	"github.com/meshnode/meshnode/ggufstage/gguf"
@@ -192,6 +206,13 @@ type cudaFused struct {
 	pinned     pinnedPool
 	pinnedRows int
 	picks      []C.int // a pass's greedy picks (Batch.PicksOnly), reused
+	// ahead is the pass queued ahead of the caller, if any (aheadPass);
+	// queues says whether this stage queues passes ahead at all; taken and
+	// dropped count the passes queued ahead that a caller took and that
+	// settle waited for in vain.
+	ahead          *aheadPass
+	queues         bool
+	taken, dropped int
 }
 
 // pinnedPool lends pinned host buffers of n floats, at most pinnedMax at
@@ -388,6 +409,10 @@ func (f *cudaFused) create() (ok bool, err error) {
 	if f.hostEmbd != nil {
 		f.embd = make([]float32, f.maxRows*s.embd)
 	}
+	// Queued ahead, a greedy step's host work (returning the picks, the
+	// caller's next batch, placing it) leaves the GPU's path: the next
+	// pass takes its tokens on the device.
+	f.queues = e.info.First() && e.info.Last() && f.hostEmbd == nil && C.meshnode_mf_can_queue() != 0 && aheadEnabled()
 	return true, nil
 }
 
@@ -406,15 +431,27 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 	}
 	n := b.Rows()
 	sizes := fusedPassSizes(n, f.maxRows, f.passes)
+	picksOnly := b.PicksOnly && e.info.Last()
+	if f.ahead != nil {
+		if picksOnly && len(sizes) == 1 && f.ahead.continuedBy(b, slots) {
+			f.taken++
+			return f.stepQueued(b, slots, true)
+		}
+		if err := f.settle(); err != nil {
+			return nil, true, err
+		}
+	}
 	if sizes == nil {
 		return nil, false, nil // ggml runs it
+	}
+	if picksOnly && len(sizes) == 1 && f.queues {
+		return f.stepQueued(b, slots, false)
 	}
 	start := time.Now()
 	width := e.info.Embd // floats a row of the result
 	var dst []float32
 	var free func()
 	pinned := C.int(0)
-	picksOnly := b.PicksOnly && e.info.Last()
 	if picksOnly {
 		// Greedy picks instead of logits: no logits buffer.
 		if cap(f.picks) < n {
@@ -535,6 +572,137 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 	}
 	out.Hidden, out.Free = h, free
 	return out, true, nil
+}
+
+// stepQueued runs greedy batch b as one queued pass (mf_queue_picks): the
+// pass queued ahead already, if queued, else queued now; then it queues
+// the pass after it, ahead of the caller, and waits for b's picks.
+func (f *cudaFused) stepQueued(b *stage.Batch, slots []int, queued bool) (*stage.Output, bool, error) {
+	e := f.e
+	start := time.Now()
+	if !queued {
+		tokens := make([]C.int, len(b.Tokens))
+		for r, t := range b.Tokens {
+			tokens[r] = C.int(t)
+		}
+		if err := f.queue(slots, b.Pos, tokens); err != nil {
+			return nil, true, err
+		}
+	}
+	f.ahead = nil
+	next := make([]int32, len(b.Pos))
+	for r, p := range b.Pos {
+		next[r] = p + 1
+	}
+	// Without room for the next pass's cells there is none queued ahead.
+	minus := make([]C.int, len(slots))
+	for r := range minus {
+		minus[r] = -1
+	}
+	err := f.queue(slots, next, minus)
+	switch {
+	case err == nil:
+		f.ahead = &aheadPass{slots: slices.Clone(slots), pos: next}
+	case !errors.Is(err, kvcache.ErrKvCacheFull):
+		_ = f.wait(nil)
+		return nil, true, err
+	}
+	graph := time.Since(start)
+	start = time.Now()
+	if cap(f.picks) < len(slots) {
+		f.picks = make([]C.int, len(slots))
+	}
+	f.picks = f.picks[:len(slots)]
+	err = f.wait(f.picks)
+	e.phases.passes.Add(1)
+	e.phases.graph.Add(int64(graph))
+	e.phases.wait.Add(int64(time.Since(start)))
+	if err != nil {
+		return nil, true, err
+	}
+	out := &stage.Output{Picks: make([]int32, len(slots))}
+	for r, p := range f.picks {
+		out.Picks[r] = int32(p)
+	}
+	if f.ahead != nil {
+		f.ahead.after = slices.Clone(out.Picks)
+	}
+	return out, true, nil
+}
+
+// queue places one pass's rows (slots at positions pos) in the cache and
+// queues it; token -1 takes the pick of the pass queued before. On an
+// error nothing stays placed; kvcache.ErrKvCacheFull says there was no
+// room, anything else breaks the stage.
+func (f *cudaFused) queue(slots []int, pos []int32, tokens []C.int) error {
+	e := f.e
+	var err error
+	if f.locs, err = f.view.placeRows(slots, pos, f.locs[:0]); err != nil {
+		return fmt.Errorf("placing batch in the KV cache: %w", err)
+	}
+	unplace := func() {
+		for r, s := range slots {
+			_ = e.cache.Remove(s, pos[r], math.MaxInt32)
+		}
+	}
+	if f.cells, f.counts, err = f.view.rowsCells(slots, pos, f.cells[:0], f.counts[:0]); err != nil {
+		unplace()
+		return fmt.Errorf("fused decode: %w", err)
+	}
+	f.pos, f.loc, f.ncells = f.pos[:0], f.loc[:0], f.ncells[:0]
+	for r := range slots {
+		f.pos, f.loc, f.ncells = append(f.pos, C.int(pos[r])), append(f.loc, C.int(f.locs[r])), append(f.ncells, C.int(f.counts[r]))
+	}
+	var cp *C.int32_t
+	if len(f.cells) > 0 {
+		cp = (*C.int32_t)(unsafe.Pointer(&f.cells[0]))
+	}
+	computeMu.Lock()
+	rc := C.meshnode_mf_queue_picks_call(f.h, C.int(len(slots)), &tokens[0], &f.pos[0], &f.loc[0], cp, &f.ncells[0], f.errBuf, fusedErrLen)
+	computeMu.Unlock()
+	if rc != 0 {
+		unplace()
+		err := fmt.Errorf("%w: fused decode, queueing a pass: %s", ErrBroken, f.errText())
+		e.broken.Store(err)
+		return err
+	}
+	return nil
+}
+
+// wait waits for the oldest queued pass and writes its picks (nil: drops
+// them).
+func (f *cudaFused) wait(picks []C.int) error {
+	var p *C.int
+	if len(picks) > 0 {
+		p = &picks[0]
+	}
+	computeMu.Lock()
+	rc := C.meshnode_mf_wait_picks_call(f.h, p, f.errBuf, fusedErrLen)
+	computeMu.Unlock()
+	if rc != 0 {
+		err := fmt.Errorf("%w: fused decode, waiting for a pass: %s", ErrBroken, f.errText())
+		f.e.broken.Store(err)
+		return err
+	}
+	return nil
+}
+
+// settle waits for the pass queued ahead, if any, and frees its cells: the
+// caller asked for something else.
+func (f *cudaFused) settle() error {
+	p := f.ahead
+	if p == nil {
+		return nil
+	}
+	f.ahead = nil
+	f.dropped++
+	err := f.wait(nil)
+	for r, s := range p.slots {
+		if rerr := f.e.cache.Remove(s, p.pos[r], math.MaxInt32); rerr != nil && err == nil {
+			err = fmt.Errorf("freeing the cells of a pass queued ahead: %w", rerr)
+		}
+	}
+	return err
 }
 
 func (f *cudaFused) close() {

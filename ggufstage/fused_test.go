@@ -3,6 +3,7 @@ package ggufstage
 import (
 	"errors"
 	"fmt"
+	"math"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -239,6 +240,102 @@ func TestFusedTakes(t *testing.T) {
 				t.Errorf("fusedTakes(slots %v, outputs %v, last %v) = %v, want %v", tc.slots, tc.outputs, tc.last, got, tc.want)
 			}
 		})
+	}
+}
+
+// TestAheadContinuedBy: a batch takes the pass queued ahead only if it is
+// exactly that pass: greedy, the same slots in order, each row one
+// position on, each token the pick the queued pass took.
+func TestAheadContinuedBy(t *testing.T) {
+	ahead := &aheadPass{slots: []int{2, 0}, pos: []int32{7, 12}, after: []int32{401, 9}}
+	tests := []struct {
+		name   string
+		slots  []int
+		pos    []int32
+		tokens []int32
+		greedy bool
+		want   bool
+	}{
+		{"the pass", []int{2, 0}, []int32{7, 12}, []int32{401, 9}, true, true},
+		{"not greedy", []int{2, 0}, []int32{7, 12}, []int32{401, 9}, false, false},
+		{"another token", []int{2, 0}, []int32{7, 12}, []int32{401, 10}, true, false},
+		{"another position", []int{2, 0}, []int32{7, 13}, []int32{401, 9}, true, false},
+		{"rows swapped", []int{0, 2}, []int32{12, 7}, []int32{9, 401}, true, false},
+		{"a row fewer", []int{2}, []int32{7}, []int32{401}, true, false},
+		{"a row more", []int{2, 0, 1}, []int32{7, 12, 3}, []int32{401, 9, 5}, true, false},
+		{"another slot", []int{2, 1}, []int32{7, 12}, []int32{401, 9}, true, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			b := &stage.Batch{Seqs: make([]stage.SeqID, len(tc.slots)), Pos: tc.pos, Tokens: tc.tokens, PicksOnly: tc.greedy}
+			if got := ahead.continuedBy(b, tc.slots); got != tc.want {
+				t.Errorf("continuedBy(slots %v, pos %v, tokens %v, greedy %v) = %v, want %v", tc.slots, tc.pos, tc.tokens, tc.greedy, got, tc.want)
+			}
+		})
+	}
+	if (&aheadPass{slots: []int{2}, pos: []int32{7}}).continuedBy(&stage.Batch{Seqs: make([]stage.SeqID, 1), Pos: []int32{7}, Tokens: []int32{0}, PicksOnly: true}, []int{2}) {
+		t.Error("a pass whose picks the host does not have yet was taken")
+	}
+}
+
+// TestAheadCellsFreed: the cells a pass queued ahead places (placeRows one
+// position past each row's last) are freed by settle's Remove, leaving the
+// cache's cells (which hold which sequences) and ranges as they were, so
+// that the batch the caller sends instead finds them as ollama's cache
+// would.
+func TestAheadCellsFreed(t *testing.T) {
+	p := openSplit(t, storiesPath, []int{0, 5}, Options{Threads: 1, MaxSeqs: 3, Context: 24, Device: "cpu"})
+	defer p.close()
+	e := p.stages[0]
+	v, err := newCausalView(e.cache)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.open(t, 1, 2)
+	for _, pr := range []struct {
+		seq stage.SeqID
+		n   int
+	}{{1, 5}, {2, 3}} {
+		var bt stage.Batch
+		for i := range pr.n {
+			bt.Seqs, bt.Pos, bt.Tokens = append(bt.Seqs, pr.seq), append(bt.Pos, int32(i)), append(bt.Tokens, int32(1+i))
+		}
+		bt.Outputs = []int{pr.n - 1}
+		p.forward(t, bt)
+	}
+	cells, ranges := slices.Clone(*v.cells), rangesOf(v)
+	for i := range cells {
+		cells[i].sequences = slices.Clone(cells[i].sequences)
+	}
+	slots, pos := []int{e.slots[2], e.slots[1]}, []int32{3, 5}
+	locs, err := v.placeRows(slots, pos, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if reflect.DeepEqual(*v.cells, cells) {
+		t.Fatalf("placeRows at %v left the cells as they were", locs)
+	}
+	for r, s := range slots {
+		if err := e.cache.Remove(s, pos[r], math.MaxInt32); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A free cell is one of no sequence, whatever position it last held
+	// (ollama's Remove leaves that too).
+	held := func(cs []causalCell) []causalCell {
+		out := make([]causalCell, len(cs))
+		for i, c := range cs {
+			if len(c.sequences) > 0 {
+				out[i] = c
+			}
+		}
+		return out
+	}
+	if got, want := held(*v.cells), held(cells); !reflect.DeepEqual(got, want) {
+		t.Errorf("cells after freeing %v:\n%v\nwant\n%v", locs, got, want)
+	}
+	if got := rangesOf(v); !slices.Equal(got, ranges) {
+		t.Errorf("cell ranges after freeing %v: %v, want %v", locs, got, ranges)
 	}
 }
 
