@@ -7,9 +7,13 @@
 //                       qwen2's biases and NeoX rotation) against a float64
 //                       reference on the host that quantizes activations as
 //                       the kernels do; a split into two stages must give
-//                       the same bits.
+//                       the same bits. Also greedy picks (one row, with
+//                       ties, NaN and +Inf in the head; several rows),
+//                       passes queued ahead against stepping, and passes
+//                       of several sequences.
 //   fused_check bench   an 8B-class llama (Q4_0, Q6_K head): copy bandwidth,
 //                       each mat-vec's bandwidth, and whole decode steps
+//                       (logits, greedy picks, greedy passes queued ahead)
 //                       against the floor of model bytes ÷ copy bandwidth.
 //   fused_check bench32 the same for a 32B-class model (64 layers of 5120,
 //                       n_ff 27648).
