@@ -68,6 +68,36 @@ func (p *aheadPass) continuedBy(b *stage.Batch, slots []int) bool {
 	return true
 }
 
+// aheadAction is what a fused stage does with a batch (see aheadPlan).
+type aheadAction int
+
+const (
+	aheadStep  aheadAction = iota // run it as one step, queueing nothing ahead
+	aheadTake                     // it is the pass queued ahead: take that, and queue the next
+	aheadQueue                    // queue it and the pass after it
+)
+
+// aheadPlan decides what a fused stage does with batch b (its rows in cache
+// slots slots), given the pass queued ahead (pending, or nil) and the
+// continuation of the last greedy pass it ran (last, or nil, which settle
+// clears); eligible says whether b may be queued at all (greedy, one
+// pass, a stage that queues). settle says to wait for pending and free its
+// cells first. A stage queues ahead only from the second pass of a run of
+// continuations: batches that take turns (micro-batches of a pipeline, a
+// prompt's chunks between decode steps) would otherwise each leave a
+// queued pass that nobody takes, a pass of GPU time lost every step.
+func aheadPlan(pending, last *aheadPass, b *stage.Batch, slots []int, eligible bool) (act aheadAction, settle bool) {
+	switch {
+	case pending != nil && eligible && pending.continuedBy(b, slots):
+		return aheadTake, false
+	case pending != nil:
+		return aheadStep, true
+	case eligible && last != nil && last.continuedBy(b, slots):
+		return aheadQueue, false
+	}
+	return aheadStep, false
+}
+
 // aheadEnabled is MESHNODE_FUSED_AHEAD: 0 turns queueing ahead off.
 func aheadEnabled() bool { return os.Getenv("MESHNODE_FUSED_AHEAD") != "0" }
 

@@ -20,7 +20,8 @@ import (
 // and one released while a pass of both is queued. Every pick must be the
 // same: a pass queued ahead computes what the caller's would, and one the
 // caller does not take leaves no trace. The passes queued ahead must have
-// been taken and dropped both.
+// been taken and dropped both (from the second pass of each run of
+// continuations on, see aheadPlan: 30 taken, 4 dropped).
 func TestGPUFusedAhead(t *testing.T) {
 	needGPU(t)
 	if err := loadFusedLibrary(); err != nil {

@@ -206,11 +206,12 @@ type cudaFused struct {
 	pinned     pinnedPool
 	pinnedRows int
 	picks      []C.int // a pass's greedy picks (Batch.PicksOnly), reused
-	// ahead is the pass queued ahead of the caller, if any (aheadPass);
+	// ahead is the pass queued ahead of the caller, if any (aheadPass),
+	// and last the continuation of the last greedy pass (see aheadPlan);
 	// queues says whether this stage queues passes ahead at all; taken and
 	// dropped count the passes queued ahead that a caller took and that
 	// settle waited for in vain.
-	ahead          *aheadPass
+	ahead, last    *aheadPass
 	queues         bool
 	taken, dropped int
 }
@@ -432,20 +433,22 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 	n := b.Rows()
 	sizes := fusedPassSizes(n, f.maxRows, f.passes)
 	picksOnly := b.PicksOnly && e.info.Last()
-	if f.ahead != nil {
-		if picksOnly && len(sizes) == 1 && f.ahead.continuedBy(b, slots) {
-			f.taken++
-			return f.stepQueued(b, slots, true)
-		}
+	act, settle := aheadPlan(f.ahead, f.last, b, slots, picksOnly && len(sizes) == 1 && f.queues)
+	if settle {
 		if err := f.settle(); err != nil {
 			return nil, true, err
 		}
 	}
+	switch act {
+	case aheadTake:
+		f.taken++
+		return f.stepQueued(b, slots, true)
+	case aheadQueue:
+		return f.stepQueued(b, slots, false)
+	}
+	f.last = nil
 	if sizes == nil {
 		return nil, false, nil // ggml runs it
-	}
-	if picksOnly && len(sizes) == 1 && f.queues {
-		return f.stepQueued(b, slots, false)
 	}
 	start := time.Now()
 	width := e.info.Embd // floats a row of the result
@@ -557,6 +560,9 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		for i, p := range f.picks {
 			out.Picks[i] = int32(p)
 		}
+		if len(sizes) == 1 {
+			f.last = continuation(slots, b.Pos, out.Picks)
+		}
 		return out, true, nil
 	}
 	if e.info.Last() {
@@ -589,7 +595,7 @@ func (f *cudaFused) stepQueued(b *stage.Batch, slots []int, queued bool) (*stage
 			return nil, true, err
 		}
 	}
-	f.ahead = nil
+	f.ahead, f.last = nil, nil
 	next := make([]int32, len(b.Pos))
 	for r, p := range b.Pos {
 		next[r] = p + 1
@@ -624,10 +630,21 @@ func (f *cudaFused) stepQueued(b *stage.Batch, slots []int, queued bool) (*stage
 	for r, p := range f.picks {
 		out.Picks[r] = int32(p)
 	}
+	f.last = continuation(slots, b.Pos, out.Picks)
 	if f.ahead != nil {
-		f.ahead.after = slices.Clone(out.Picks)
+		f.ahead.after = f.last.after
 	}
 	return out, true, nil
+}
+
+// continuation is the pass that continues a greedy pass of rows in cache
+// slots slots at positions pos, whose picks were picks.
+func continuation(slots []int, pos, picks []int32) *aheadPass {
+	next := make([]int32, len(pos))
+	for r, p := range pos {
+		next[r] = p + 1
+	}
+	return &aheadPass{slots: slices.Clone(slots), pos: next, after: slices.Clone(picks)}
 }
 
 // queue places one pass's rows (slots at positions pos) in the cache and
@@ -688,8 +705,10 @@ func (f *cudaFused) wait(picks []C.int) error {
 }
 
 // settle waits for the pass queued ahead, if any, and frees its cells: the
-// caller asked for something else.
+// caller asked for something else. The next greedy pass then runs as one
+// step (see aheadPlan).
 func (f *cudaFused) settle() error {
+	f.last = nil
 	p := f.ahead
 	if p == nil {
 		return nil

@@ -278,6 +278,42 @@ func TestAheadContinuedBy(t *testing.T) {
 	}
 }
 
+// TestAheadPlan: a greedy batch takes the pass queued ahead where it is
+// that pass; else the queued pass is settled and the batch runs as one
+// step. A batch is queued (with the pass after it) only where it continues
+// the last pass and nothing is queued: the second pass of a run of
+// continuations, never one of batches that take turns.
+func TestAheadPlan(t *testing.T) {
+	slots := []int{3}
+	b := &stage.Batch{Seqs: make([]stage.SeqID, 1), Pos: []int32{9}, Tokens: []int32{42}, PicksOnly: true}
+	cont := &aheadPass{slots: []int{3}, pos: []int32{9}, after: []int32{42}}
+	other := &aheadPass{slots: []int{1}, pos: []int32{4}, after: []int32{7}}
+	tests := []struct {
+		name          string
+		pending, last *aheadPass
+		eligible      bool
+		act           aheadAction
+		settle        bool
+	}{
+		{"a first pass", nil, nil, true, aheadStep, false},
+		{"the second of a run", nil, cont, true, aheadQueue, false},
+		{"the second of a run, not eligible", nil, cont, false, aheadStep, false},
+		{"after another sequence's pass", nil, other, true, aheadStep, false},
+		{"the pass queued ahead", cont, cont, true, aheadTake, false},
+		{"the pass queued ahead, not eligible", cont, cont, false, aheadStep, true},
+		{"another pass than the one queued", other, other, true, aheadStep, true},
+		{"another pass, the last one's continuation", other, cont, true, aheadStep, true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			act, settle := aheadPlan(tc.pending, tc.last, b, slots, tc.eligible)
+			if act != tc.act || settle != tc.settle {
+				t.Errorf("aheadPlan = %v, settle %v; want %v, settle %v", act, settle, tc.act, tc.settle)
+			}
+		})
+	}
+}
+
 // TestAheadCellsFreed: the cells a pass queued ahead places (placeRows one
 // position past each row's last) are freed by settle's Remove, leaving the
 // cache's cells (which hold which sequences) and ranges as they were, so
