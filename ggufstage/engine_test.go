@@ -85,6 +85,25 @@ func (p *pipeline) run(t *testing.T, b stage.Batch) *stage.Output {
 	return nil
 }
 
+// promptBatch is sequence seq's prompt from position 0 as one batch, with
+// the logits of its last token.
+func promptBatch(seq stage.SeqID, prompt []int32) stage.Batch {
+	b := stage.Batch{Outputs: []int{len(prompt) - 1}}
+	for i, tok := range prompt {
+		b.Seqs, b.Pos, b.Tokens = append(b.Seqs, seq), append(b.Pos, int32(i)), append(b.Tokens, tok)
+	}
+	return b
+}
+
+// countTo is the tokens 1 to n.
+func countTo(n int) []int32 {
+	out := make([]int32, n)
+	for i := range out {
+		out[i] = int32(1 + i)
+	}
+	return out
+}
+
 func (p *pipeline) close() {
 	for _, s := range p.stages {
 		s.Close()

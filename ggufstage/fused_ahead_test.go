@@ -38,12 +38,7 @@ func TestGPUFusedAhead(t *testing.T) {
 		var picks []int32
 		p.open(t, 1, 2)
 		prefill := func(seq stage.SeqID, prompt []int32) int32 {
-			var b stage.Batch
-			for i, tok := range prompt {
-				b.Seqs, b.Pos, b.Tokens = append(b.Seqs, seq), append(b.Pos, int32(i)), append(b.Tokens, tok)
-			}
-			b.Outputs = []int{len(prompt) - 1}
-			return stagetest.Argmax(p.forward(t, b))
+			return stagetest.Argmax(p.forward(t, promptBatch(seq, prompt)))
 		}
 		// history[i] is sequence 1's token at position i.
 		history := []int32{1, 17, 300, 42, 1024, 5, 77, 901}

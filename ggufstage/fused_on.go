@@ -493,23 +493,20 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 	var graph, wait time.Duration
 	r0 := 0
 	for _, rows := range sizes {
-		f.tokens, f.pos, f.loc, f.ncells, f.cells = f.tokens[:0], f.pos[:0], f.loc[:0], f.ncells[:0], f.cells[:0]
-		seqs, pos := slots[r0:r0+rows], b.Pos[r0:r0+rows]
-		var err error
-		if f.locs, err = f.view.placeRows(seqs, pos, f.locs[:0]); err != nil {
-			return fail(fmt.Errorf("placing batch in the KV cache: %w", err))
+		ok, err := f.placePass(slots[r0:r0+rows], b.Pos[r0:r0+rows])
+		if ok {
+			placed += rows
 		}
-		placed += rows
-		if f.cells, f.counts, err = f.view.rowsCells(seqs, pos, f.cells, f.counts[:0]); err != nil {
-			return fail(fmt.Errorf("fused decode: %w", err))
+		if err != nil {
+			return fail(err)
 		}
+		f.tokens = f.tokens[:0]
 		for r := r0; r < r0+rows; r++ {
 			token := C.int(0)
 			if e.info.First() {
 				token = C.int(b.Tokens[r])
 			}
-			f.tokens, f.pos = append(f.tokens, token), append(f.pos, C.int(b.Pos[r]))
-			f.loc, f.ncells = append(f.loc, C.int(f.locs[r-r0])), append(f.ncells, C.int(f.counts[r-r0]))
+			f.tokens = append(f.tokens, token)
 		}
 		var hp *C.float
 		switch {
@@ -524,10 +521,6 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		case !e.info.First():
 			hp = (*C.float)(unsafe.Pointer(&hidden[r0*e.info.Embd]))
 		}
-		var cp *C.int32_t
-		if len(f.cells) > 0 {
-			cp = (*C.int32_t)(unsafe.Pointer(&f.cells[0]))
-		}
 		var out *C.float
 		var picks *C.int
 		if picksOnly {
@@ -538,7 +531,7 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		graph += time.Since(start)
 		computeMu.Lock()
 		start = time.Now()
-		rc := C.meshnode_mf_step_rows_call(f.h, C.int(rows), &f.tokens[0], hp, &f.pos[0], &f.loc[0], cp, &f.ncells[0],
+		rc := C.meshnode_mf_step_rows_call(f.h, C.int(rows), &f.tokens[0], hp, &f.pos[0], &f.loc[0], f.cellsArg(), &f.ncells[0],
 			out, pinned, picks, f.errBuf, fusedErrLen)
 		wait += time.Since(start)
 		computeMu.Unlock()
@@ -561,7 +554,8 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 			out.Picks[i] = int32(p)
 		}
 		if len(sizes) == 1 {
-			f.last = continuation(slots, b.Pos, out.Picks)
+			f.last = continuation(slots, b.Pos)
+			f.last.after = slices.Clone(out.Picks)
 		}
 		return out, true, nil
 	}
@@ -587,28 +581,26 @@ func (f *cudaFused) stepQueued(b *stage.Batch, slots []int, queued bool) (*stage
 	e := f.e
 	start := time.Now()
 	if !queued {
-		tokens := make([]C.int, len(b.Tokens))
-		for r, t := range b.Tokens {
-			tokens[r] = C.int(t)
+		f.tokens = f.tokens[:0]
+		for _, t := range b.Tokens {
+			f.tokens = append(f.tokens, C.int(t))
 		}
-		if err := f.queue(slots, b.Pos, tokens); err != nil {
+		if err := f.queue(slots, b.Pos, f.tokens); err != nil {
 			return nil, true, err
 		}
 	}
+	// The next pass's tokens are this one's picks (-1). Without room for
+	// its cells there is none queued ahead.
 	f.ahead, f.last = nil, nil
-	next := make([]int32, len(b.Pos))
-	for r, p := range b.Pos {
-		next[r] = p + 1
+	next := continuation(slots, b.Pos)
+	f.tokens = f.tokens[:0]
+	for range slots {
+		f.tokens = append(f.tokens, -1)
 	}
-	// Without room for the next pass's cells there is none queued ahead.
-	minus := make([]C.int, len(slots))
-	for r := range minus {
-		minus[r] = -1
-	}
-	err := f.queue(slots, next, minus)
+	err := f.queue(slots, next.pos, f.tokens)
 	switch {
 	case err == nil:
-		f.ahead = &aheadPass{slots: slices.Clone(slots), pos: next}
+		f.ahead = next
 	case !errors.Is(err, kvcache.ErrKvCacheFull):
 		_ = f.wait(nil)
 		return nil, true, err
@@ -630,21 +622,47 @@ func (f *cudaFused) stepQueued(b *stage.Batch, slots []int, queued bool) (*stage
 	for r, p := range f.picks {
 		out.Picks[r] = int32(p)
 	}
-	f.last = continuation(slots, b.Pos, out.Picks)
-	if f.ahead != nil {
-		f.ahead.after = f.last.after
-	}
+	next.after = slices.Clone(out.Picks)
+	f.last = next
 	return out, true, nil
 }
 
-// continuation is the pass that continues a greedy pass of rows in cache
-// slots slots at positions pos, whose picks were picks.
-func continuation(slots []int, pos, picks []int32) *aheadPass {
+// continuation is the pass that continues a pass of rows in cache slots
+// slots at positions pos; its tokens (after) are the pass's picks, once
+// known.
+func continuation(slots []int, pos []int32) *aheadPass {
 	next := make([]int32, len(pos))
 	for r, p := range pos {
 		next[r] = p + 1
 	}
-	return &aheadPass{slots: slices.Clone(slots), pos: next, after: slices.Clone(picks)}
+	return &aheadPass{slots: slices.Clone(slots), pos: next}
+}
+
+// placePass places one pass's rows (slots at positions pos) in the cache
+// and sets its arguments: f.pos, f.loc, f.ncells and f.cells. Without room
+// for every row nothing is placed; placed says whether the rows stay
+// placed, for the caller to undo, when err is not nil.
+func (f *cudaFused) placePass(slots []int, pos []int32) (placed bool, err error) {
+	if f.locs, err = f.view.placeRows(slots, pos, f.locs[:0]); err != nil {
+		return false, fmt.Errorf("placing batch in the KV cache: %w", err)
+	}
+	if f.cells, f.counts, err = f.view.rowsCells(slots, pos, f.cells[:0], f.counts[:0]); err != nil {
+		return true, fmt.Errorf("fused decode: %w", err)
+	}
+	f.pos, f.loc, f.ncells = f.pos[:0], f.loc[:0], f.ncells[:0]
+	for r := range slots {
+		f.pos, f.loc, f.ncells = append(f.pos, C.int(pos[r])), append(f.loc, C.int(f.locs[r])), append(f.ncells, C.int(f.counts[r]))
+	}
+	return true, nil
+}
+
+// cellsArg is the pass's earlier cells (f.cells) for the C engine: NULL
+// where there are none.
+func (f *cudaFused) cellsArg() *C.int32_t {
+	if len(f.cells) == 0 {
+		return nil
+	}
+	return (*C.int32_t)(unsafe.Pointer(&f.cells[0]))
 }
 
 // queue places one pass's rows (slots at positions pos) in the cache and
@@ -653,29 +671,19 @@ func continuation(slots []int, pos, picks []int32) *aheadPass {
 // room, anything else breaks the stage.
 func (f *cudaFused) queue(slots []int, pos []int32, tokens []C.int) error {
 	e := f.e
-	var err error
-	if f.locs, err = f.view.placeRows(slots, pos, f.locs[:0]); err != nil {
-		return fmt.Errorf("placing batch in the KV cache: %w", err)
-	}
 	unplace := func() {
 		for r, s := range slots {
 			_ = e.cache.Remove(s, pos[r], math.MaxInt32)
 		}
 	}
-	if f.cells, f.counts, err = f.view.rowsCells(slots, pos, f.cells[:0], f.counts[:0]); err != nil {
-		unplace()
-		return fmt.Errorf("fused decode: %w", err)
-	}
-	f.pos, f.loc, f.ncells = f.pos[:0], f.loc[:0], f.ncells[:0]
-	for r := range slots {
-		f.pos, f.loc, f.ncells = append(f.pos, C.int(pos[r])), append(f.loc, C.int(f.locs[r])), append(f.ncells, C.int(f.counts[r]))
-	}
-	var cp *C.int32_t
-	if len(f.cells) > 0 {
-		cp = (*C.int32_t)(unsafe.Pointer(&f.cells[0]))
+	if placed, err := f.placePass(slots, pos); err != nil {
+		if placed {
+			unplace()
+		}
+		return err
 	}
 	computeMu.Lock()
-	rc := C.meshnode_mf_queue_picks_call(f.h, C.int(len(slots)), &tokens[0], &f.pos[0], &f.loc[0], cp, &f.ncells[0], f.errBuf, fusedErrLen)
+	rc := C.meshnode_mf_queue_picks_call(f.h, C.int(len(slots)), &tokens[0], &f.pos[0], &f.loc[0], f.cellsArg(), &f.ncells[0], f.errBuf, fusedErrLen)
 	computeMu.Unlock()
 	if rc != 0 {
 		unplace()

@@ -44,17 +44,8 @@ func TestCausalViewPlace(t *testing.T) {
 	}
 	for _, p := range []*pipeline{ref, got} {
 		p.open(t, 1, 2)
-		for _, pr := range []struct {
-			seq stage.SeqID
-			n   int
-		}{{1, 6}, {2, 3}} {
-			var bt stage.Batch
-			for i := range pr.n {
-				bt.Seqs, bt.Pos, bt.Tokens = append(bt.Seqs, pr.seq), append(bt.Pos, int32(i)), append(bt.Tokens, int32(1+i))
-			}
-			bt.Outputs = []int{pr.n - 1}
-			p.forward(t, bt)
-		}
+		p.forward(t, promptBatch(1, countTo(6)))
+		p.forward(t, promptBatch(2, countTo(3)))
 		if err := p.stages[0].Trim(1, 2); err != nil { // cells 2-5 free again
 			t.Fatal(err)
 		}
@@ -328,17 +319,8 @@ func TestAheadCellsFreed(t *testing.T) {
 		t.Fatal(err)
 	}
 	p.open(t, 1, 2)
-	for _, pr := range []struct {
-		seq stage.SeqID
-		n   int
-	}{{1, 5}, {2, 3}} {
-		var bt stage.Batch
-		for i := range pr.n {
-			bt.Seqs, bt.Pos, bt.Tokens = append(bt.Seqs, pr.seq), append(bt.Pos, int32(i)), append(bt.Tokens, int32(1+i))
-		}
-		bt.Outputs = []int{pr.n - 1}
-		p.forward(t, bt)
-	}
+	p.forward(t, promptBatch(1, countTo(5)))
+	p.forward(t, promptBatch(2, countTo(3)))
 	cells, ranges := slices.Clone(*v.cells), rangesOf(v)
 	for i := range cells {
 		cells[i].sequences = slices.Clone(cells[i].sequences)

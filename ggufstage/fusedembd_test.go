@@ -8,7 +8,6 @@ import (
 	"testing"
 
 	"github.com/meshnode/meshnode/ggufstage/synth"
-	"github.com/meshnode/meshnode/stage"
 	"github.com/meshnode/meshnode/stage/stagetest"
 )
 
@@ -32,11 +31,7 @@ func TestGPUFusedDeviceEmbedding(t *testing.T) {
 		defer p.close()
 		p.open(t, 1)
 		prompt := []int32{1, 900, 12, 77, 1500, 3}
-		prefill := stage.Batch{Outputs: []int{len(prompt) - 1}}
-		for i, tok := range prompt {
-			prefill.Seqs, prefill.Pos, prefill.Tokens = append(prefill.Seqs, 1), append(prefill.Pos, int32(i)), append(prefill.Tokens, tok)
-		}
-		next := stagetest.Argmax(p.forward(t, prefill))
+		next := stagetest.Argmax(p.forward(t, promptBatch(1, prompt)))
 		var steps [][]float32
 		for i := range 8 {
 			got := p.forward(t, stageBatchAt(int32(len(prompt)+i), next))

@@ -189,11 +189,7 @@ func testFusedDecode(t *testing.T, spec synth.Spec) {
 	defer cpu.close()
 
 	prompt := []int32{1, 17, 300, 42, 1024, 5, 77, 901, 13, 2000, 64, 3}
-	prefill := stage.Batch{}
-	for i, tok := range prompt {
-		prefill.Seqs, prefill.Pos, prefill.Tokens = append(prefill.Seqs, 1), append(prefill.Pos, int32(i)), append(prefill.Tokens, tok)
-	}
-	prefill.Outputs = []int{len(prompt) - 1}
+	prefill := promptBatch(1, prompt)
 	var next int32
 	for _, p := range []*pipeline{ggml, fused, split, cpu} {
 		p.open(t, 1)
@@ -284,12 +280,11 @@ func TestGPUFusedRows(t *testing.T) {
 	next := make([]int32, seqs)
 	for s := range seqs {
 		ids[s] = stage.SeqID(s + 1)
-		prefill := stage.Batch{}
-		for i := range 3 + 9*s { // prompts of 3 to 102 tokens
-			prefill.Seqs, prefill.Pos = append(prefill.Seqs, ids[s]), append(prefill.Pos, int32(i))
-			prefill.Tokens = append(prefill.Tokens, int32((s*131+i*17)%2000+1))
+		prompt := make([]int32, 3+9*s) // prompts of 3 to 102 tokens
+		for i := range prompt {
+			prompt[i] = int32((s*131+i*17)%2000 + 1)
 		}
-		prefill.Outputs = []int{prefill.Rows() - 1}
+		prefill := promptBatch(ids[s], prompt)
 		for _, p := range all {
 			p.open(t, ids[s])
 			next[s] = stagetest.Argmax(p.forward(t, prefill))
