@@ -482,9 +482,7 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 	// fail undoes the rows placed in the cache, so that the batch leaves
 	// no trace and may be sent again.
 	fail := func(err error) (*stage.Output, bool, error) {
-		for r := range placed {
-			_ = e.cache.Remove(slots[r], b.Pos[r], math.MaxInt32)
-		}
+		_ = f.unplace(slots[:placed], b.Pos[:placed])
 		if free != nil {
 			free()
 		}
@@ -671,14 +669,9 @@ func (f *cudaFused) cellsArg() *C.int32_t {
 // room, anything else breaks the stage.
 func (f *cudaFused) queue(slots []int, pos []int32, tokens []C.int) error {
 	e := f.e
-	unplace := func() {
-		for r, s := range slots {
-			_ = e.cache.Remove(s, pos[r], math.MaxInt32)
-		}
-	}
 	if placed, err := f.placePass(slots, pos); err != nil {
 		if placed {
-			unplace()
+			_ = f.unplace(slots, pos)
 		}
 		return err
 	}
@@ -686,7 +679,7 @@ func (f *cudaFused) queue(slots []int, pos []int32, tokens []C.int) error {
 	rc := C.meshnode_mf_queue_picks_call(f.h, C.int(len(slots)), &tokens[0], &f.pos[0], &f.loc[0], f.cellsArg(), &f.ncells[0], f.errBuf, fusedErrLen)
 	computeMu.Unlock()
 	if rc != 0 {
-		unplace()
+		_ = f.unplace(slots, pos)
 		err := fmt.Errorf("%w: fused decode, queueing a pass: %s", ErrBroken, f.errText())
 		e.broken.Store(err)
 		return err
@@ -724,9 +717,20 @@ func (f *cudaFused) settle() error {
 	f.ahead = nil
 	f.dropped++
 	err := f.wait(nil)
-	for r, s := range p.slots {
-		if rerr := f.e.cache.Remove(s, p.pos[r], math.MaxInt32); rerr != nil && err == nil {
-			err = fmt.Errorf("freeing the cells of a pass queued ahead: %w", rerr)
+	if rerr := f.unplace(p.slots, p.pos); rerr != nil && err == nil {
+		err = fmt.Errorf("freeing the cells of a pass queued ahead: %w", rerr)
+	}
+	return err
+}
+
+// unplace frees the cells of rows placed in the cache (slots at
+// positions pos, and everything after them), every row even after an
+// error; it returns the first error.
+func (f *cudaFused) unplace(slots []int, pos []int32) error {
+	var err error
+	for r, s := range slots {
+		if rerr := f.e.cache.Remove(s, pos[r], math.MaxInt32); rerr != nil && err == nil {
+			err = rerr
 		}
 	}
 	return err
