@@ -142,6 +142,9 @@ struct GemvArgs {
 	const float *bias[3]; // kStore: each matrix's bias (q, k, v), or null
 	int normDirect;    // read norm from global memory, not a shared copy (see placeNorm)
 	int late;          // issue the first weight copies after the input's loads, not before pdlWait
+	// gemv, late: the first l2first steps of a warp's weights asked of L2
+	// before pdlWait (prefetchL2), in bulk or (l2lines) a line a lane.
+	int l2first, l2lines;
 	int cluster;       // one row without a norm: the blocks of a cluster of this many share the input's quantization
 	float eps;
 	float *y;
@@ -651,6 +654,16 @@ template <int N> __device__ __forceinline__ void cpAsyncCA(void *dst, const void
 	const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
 	asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(N));
 }
+// Asks L2 for bytes from p on, which nothing on this multiprocessor waits
+// for: one bulk request (sm_90) where p and bytes are 16-byte aligned.
+__device__ __forceinline__ void prefetchL2(const void *p, int bytes) {
+#ifdef MF_HOPPER
+	if ((reinterpret_cast<uintptr_t>(p) | (unsigned)bytes) & 15) return;
+	asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void prefetchLineL2(const void *p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
 __device__ __forceinline__ void cpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
@@ -717,6 +730,27 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 	// (late) only once the input's loads are issued, so that those do not
 	// queue behind a multiprocessor's worth of weight copies.
 	if (!a.late) issue(0);
+	// Late, its first steps' weights are asked of L2 here instead (one bulk
+	// prefetch a row), which no load of this multiprocessor waits behind:
+	// the bytes come from DRAM while the kernel before drains, and the
+	// copies after the input's loads find them in L2. A step at 192 / 320
+	// / 576 cells took 1.582 / 1.593 / 1.690 ms against 1.597-1.599 /
+	// 1.618-1.619 / 1.710-1.713 without (fused_check, run 271); two steps
+	// each, 1.664-1.666 / 1.671-1.674 / 1.763-1.764 (run 270).
+	for (int k = 0; k < a.l2first && k < steps; k++) {
+		const int unit = first + (k / perUnit) * stride, rp = k % perUnit;
+		const int round = rp / a.passes, pass = rp % a.passes;
+		const int bytes = min(32, a.spr - pass * 32) * a.sbBytes;
+		if (a.l2lines) {
+			for (int o = lane * 128; o < a.rpp * bytes; o += 32 * 128) {
+				const int v = min(unit * a.unitRows + round * a.rpp + o / bytes, a.total - 1);
+				prefetchLineL2(rowPtr(a, v) + (size_t)pass * 32 * a.sbBytes + o % bytes);
+			}
+		} else if (lane < a.rpp) {
+			const int v = min(unit * a.unitRows + round * a.rpp + lane, a.total - 1);
+			prefetchL2(rowPtr(a, v) + (size_t)pass * 32 * a.sbBytes, bytes);
+		}
+	}
 	pdlLaunchNext();
 	pdlWait();
 	auto afterLoads = [&]() {
@@ -1960,6 +1994,12 @@ struct mf_engine {
 	int smemSM = 0;    // shared memory per multiprocessor
 	int smemOptin = 0; // shared memory a block may have
 	int late = 1;   // GemvArgs.late, from MESHNODE_FUSED_LATE (run 47: 1.5 us a layer)
+	int l2first = 1, l2lines = 0; // GemvArgs.l2first, l2lines: MESHNODE_FUSED_L2FIRST, MESHNODE_FUSED_L2LINES
+	// MESHNODE_FUSED_L2KINDS: the kinds whose first steps L2 prefetches, 1
+	// QKV, 2 O, 4 gate/up, 8 down, 16 a Q4_0 head. QKV ran slower with it
+	// (7.90-7.96 against 7.25-7.29 us alone), and a step with all of them
+	// slower than without QKV (run 271, below).
+	int l2kinds = 14;
 	int cluster = 2; // GemvArgs.cluster, from MESHNODE_FUSED_CLUSTER (1: none)
 	bool clusterFfn = false; // down's one-row mat-vecs take clusters (clustersFit)
 	int attnCells = kCellsPerSplit; // AttnArgs.cellsPerSplit, from MESHNODE_FUSED_ATTN_CELLS
@@ -2226,6 +2266,10 @@ void launchGemv(mf_engine *e, int nrows, const void *w0, const void *w1, const v
 	for (int i = 0; bias && i < 3; i++) a.bias[i] = (const float *)bias[i];
 	fitShape(a, e->smemSM, e->smemOptin); // mf_create checked that it fits (maxRows)
 	a.late = e->late && type == MF_Q4_0; // the head measured 2 us slower late
+	{
+		const int kind = w0 == e->c.output ? 16 : epi == kSwiGLU ? 4 : norm ? 1 : k == e->c.ffn ? 8 : 2;
+		if (a.late && nrows == 1 && (e->l2kinds & kind)) a.l2first = e->l2first, a.l2lines = e->l2lines;
+	}
 	if (e->head6W && nrows == 1 && w0 == e->c.output) {
 		a.w[0] = e->head6W, a.unitBytes = e->head6Unit;
 		launch(e, head6, e->head6Grid, kHeadThreads, head6Smem(k), a);
@@ -2408,6 +2452,9 @@ extern "C" int mf_create(const mf_config *cfg, mf_engine **out, char *err, int e
 	if (const char *v = getenv("MESHNODE_FUSED_QUANT_O")) e->quantO = atoi(v) != 0;
 	if (const char *v = getenv("MESHNODE_FUSED_GROUPS")) mmaGroupsMax = atoi(v) == 1 ? 1 : 2;
 	if (const char *v = getenv("MESHNODE_FUSED_LATE")) e->late = atoi(v) != 0;
+	if (const char *v = getenv("MESHNODE_FUSED_L2FIRST")) e->l2first = std::max(0, atoi(v));
+	if (const char *v = getenv("MESHNODE_FUSED_L2LINES")) e->l2lines = atoi(v) != 0;
+	if (const char *v = getenv("MESHNODE_FUSED_L2KINDS")) e->l2kinds = atoi(v);
 	if (const char *v = getenv("MESHNODE_FUSED_TIMING")) e->timing = atoi(v) > 0 ? atoi(v) : 0;
 	if (const char *v = getenv("MESHNODE_FUSED_ATTN_CELLS")) e->attnCells = atoi(v) >= 1 ? atoi(v) : kCellsPerSplit;
 	if (const char *v = getenv("MESHNODE_FUSED_THREADS")) e->threads = atoi(v) == kThreads || atoi(v) == kWideThreads ? atoi(v) : 0;
