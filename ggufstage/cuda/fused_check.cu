@@ -18,7 +18,9 @@
 //   fused_check bench32 the same for a 32B-class model (64 layers of 5120,
 //                       n_ff 27648).
 //
-// Built and run by deploy/gpu/build-cuda.sh --check (on the GPU machine).
+// Built on a GPU machine, from the repository's root (sm_90 here; any sm_80+):
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o fused_check \
+//     ggufstage/cuda/fused_check.cu ggufstage/cuda/fused.cu
 #include "fused.h"
 
 #include <cuda_fp16.h>
