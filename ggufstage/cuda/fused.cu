@@ -694,15 +694,21 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 	const int mine0 = first < units ? (units - first + stride - 1) / stride : 0;
 	const int steps = mine0 * perUnit;
 
+	// Where step k's weights for slot (a row of its round) start, and
+	// their bytes.
+	auto stepSrc = [&](int k, int slot, int &bytes) {
+		const int unit = first + (k / perUnit) * stride, rp = k % perUnit;
+		const int round = rp / a.passes, pass = rp % a.passes;
+		const int v = min(unit * a.unitRows + round * a.rpp + slot, a.total - 1);
+		bytes = min(32, a.spr - pass * 32) * a.sbBytes;
+		return rowPtr(a, v) + (size_t)pass * 32 * a.sbBytes;
+	};
 	// Lane myIdx of slot mySlot's group copies chunks myIdx, myIdx+group, ...
 	// of its row: a group's copies are contiguous, one add apart.
 	auto issue = [&](int k) {
 		if (k < steps && mySlot < a.rpp) {
-			const int unit = first + (k / perUnit) * stride, rp = k % perUnit;
-			const int round = rp / a.passes, pass = rp % a.passes;
-			const int v = min(unit * a.unitRows + round * a.rpp + mySlot, a.total - 1);
-			const int bytes = min(32, a.spr - pass * 32) * a.sbBytes;
-			const uint8_t *src = rowPtr(a, v) + (size_t)pass * 32 * a.sbBytes;
+			int bytes;
+			const uint8_t *src = stepSrc(k, mySlot, bytes);
 			uint8_t *dst = stages + (k & 1) * a.stageBytes + mySlot * slotStride;
 			if constexpr (COPY == 16) {
 #pragma unroll
@@ -738,17 +744,13 @@ __global__ void __launch_bounds__(THREADS, blocksOf(THREADS)) gemv(GemvArgs a) {
 	// 1.618-1.619 / 1.710-1.713 without (fused_check, run 271); two steps
 	// each, 1.664-1.666 / 1.671-1.674 / 1.763-1.764 (run 270).
 	for (int k = 0; k < a.l2first && k < steps; k++) {
-		const int unit = first + (k / perUnit) * stride, rp = k % perUnit;
-		const int round = rp / a.passes, pass = rp % a.passes;
-		const int bytes = min(32, a.spr - pass * 32) * a.sbBytes;
+		int bytes;
 		if (a.l2lines) {
-			for (int o = lane * 128; o < a.rpp * bytes; o += 32 * 128) {
-				const int v = min(unit * a.unitRows + round * a.rpp + o / bytes, a.total - 1);
-				prefetchLineL2(rowPtr(a, v) + (size_t)pass * 32 * a.sbBytes + o % bytes);
-			}
+			stepSrc(k, 0, bytes);
+			for (int o = lane * 128; o < a.rpp * bytes; o += 32 * 128) prefetchLineL2(stepSrc(k, o / bytes, bytes) + o % bytes);
 		} else if (lane < a.rpp) {
-			const int v = min(unit * a.unitRows + round * a.rpp + lane, a.total - 1);
-			prefetchL2(rowPtr(a, v) + (size_t)pass * 32 * a.sbBytes, bytes);
+			const uint8_t *src = stepSrc(k, lane, bytes);
+			prefetchL2(src, bytes);
 		}
 	}
 	pdlLaunchNext();
