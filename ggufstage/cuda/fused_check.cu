@@ -17,6 +17,9 @@
 //                       against the floor of model bytes ÷ copy bandwidth.
 //   fused_check bench32 the same for a 32B-class model (64 layers of 5120,
 //                       n_ff 27648).
+//   fused_check split [a] the 8B-class model's greedy steps as two stages,
+//                       layers [0, a) and [a, 32) (a 18 unless given) in
+//                       this process, against the whole model on one engine.
 //
 // Built on a GPU machine, from the repository's root (sm_90 here; any sm_80+):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o fused_check \
@@ -747,16 +750,35 @@ static void *randomDevice(int type, size_t bytes, float scale, uint64_t &seed, d
 static const int kRowsMax = 16;
 static double oneRow = 0;
 
-// bench times one model's steps: the 8B-class llama, or with big the
-// 32B-class one (qwen2.5-32b's shapes without its biases).
-static int bench(bool big) {
-	const int nLayer = big ? 64 : 32, embd = big ? 5120 : 4096, nHead = big ? 40 : 32, nKV = 8, hd = 128;
-	const int ffn = big ? 27648 : 14336, vocab = big ? 152064 : 128256, cells = 4096;
-	const int qd = nHead * hd, kvd = nKV * hd;
+// BenchModel is bench's model on the GPU: random weights of the 8B-class
+// llama, or with big the 32B-class one (qwen2.5-32b's shapes without its
+// biases), and the copy bandwidth measured beside it.
+struct BenchModel {
+	int nLayer, embd, nHead, nKV, hd, ffn, vocab, cells;
+	std::vector<mf_layer> layers;
+	void *tok, *outNorm, *output;
+	double bytes = 0, embdBytes = 0, bw = 0; // read a step; the embedding; copy bandwidth
+	mf_config config(int a, int b) const {
+		mf_config c{};
+		c.n_layer = b - a, c.embd = embd, c.n_head = nHead, c.n_kv_head = nKV, c.head_dim = hd, c.ffn = ffn;
+		c.vocab = vocab, c.cells = cells, c.eps = 1e-5f, c.rope_base = 500000, c.rope_freq_scale = 1;
+		c.embd_type = MF_Q4_0, c.tok_embd = a == 0 ? tok : nullptr, c.out_type = MF_Q6_K;
+		c.out_norm = b == nLayer ? outNorm : nullptr, c.output = b == nLayer ? output : nullptr;
+		c.layers = layers.data() + a;
+		return c;
+	}
+};
+
+static BenchModel benchModel(bool big) {
+	BenchModel m;
+	m.nLayer = big ? 64 : 32, m.embd = big ? 5120 : 4096, m.nHead = big ? 40 : 32, m.nKV = 8, m.hd = 128;
+	m.ffn = big ? 27648 : 14336, m.vocab = big ? 152064 : 128256, m.cells = 4096;
+	const int nLayer = m.nLayer, embd = m.embd, ffn = m.ffn, vocab = m.vocab, cells = m.cells;
+	const int qd = m.nHead * m.hd, kvd = m.nKV * m.hd;
 	uint64_t seed = 1;
-	double bytes = 0;
-	std::vector<mf_layer> layers(nLayer);
-	for (auto &l : layers) {
+	double &bytes = m.bytes;
+	m.layers.resize(nLayer);
+	for (auto &l : m.layers) {
 		const float s = 1.f / std::sqrt((float)embd);
 		l.attn_norm = randomDevice(MF_F32, 4 * embd, 1, seed, &bytes);
 		l.ffn_norm = randomDevice(MF_F32, 4 * embd, 1, seed, &bytes);
@@ -770,10 +792,9 @@ static int bench(bool big) {
 		l.k = randomDevice(MF_F16, (size_t)2 * cells * kvd, 1, seed, nullptr);
 		l.v = randomDevice(MF_F16, (size_t)2 * cells * kvd, 1, seed, nullptr);
 	}
-	double embdBytes = 0;
-	void *tok = randomDevice(MF_Q4_0, rowBytesOf(MF_Q4_0, embd) * vocab, 1, seed, &embdBytes);
-	void *outNorm = randomDevice(MF_F32, 4 * embd, 1, seed, &bytes);
-	void *output = randomDevice(MF_Q6_K, rowBytesOf(MF_Q6_K, embd) * vocab, 1.f / std::sqrt((float)embd), seed, &bytes);
+	m.tok = randomDevice(MF_Q4_0, rowBytesOf(MF_Q4_0, embd) * vocab, 1, seed, &m.embdBytes);
+	m.outNorm = randomDevice(MF_F32, 4 * embd, 1, seed, &bytes);
+	m.output = randomDevice(MF_Q6_K, rowBytesOf(MF_Q6_K, embd) * vocab, 1.f / std::sqrt((float)embd), seed, &bytes);
 	CHECK(cudaDeviceSynchronize());
 
 	// Copy bandwidth: bytes read plus bytes written.
@@ -796,15 +817,18 @@ static int bench(bool big) {
 		if (i >= 2) ms.push_back(t);
 	}
 	std::sort(ms.begin(), ms.end());
-	const double bw = 2.0 * cb / (ms[ms.size() / 2] * 1e-3);
+	m.bw = 2.0 * cb / (ms[ms.size() / 2] * 1e-3);
 	CHECK(cudaFree(s1));
 	CHECK(cudaFree(s2));
+	return m;
+}
 
-	mf_config c{};
-	c.n_layer = nLayer, c.embd = embd, c.n_head = nHead, c.n_kv_head = nKV, c.head_dim = hd, c.ffn = ffn;
-	c.vocab = vocab, c.cells = cells, c.eps = 1e-5f, c.rope_base = 500000, c.rope_freq_scale = 1;
-	c.embd_type = MF_Q4_0, c.tok_embd = tok, c.out_type = MF_Q6_K, c.out_norm = outNorm, c.output = output;
-	c.layers = layers.data();
+// bench times one model's steps (benchModel).
+static int bench(bool big) {
+	BenchModel m = benchModel(big);
+	const int vocab = m.vocab;
+	const double bytes = m.bytes, embdBytes = m.embdBytes, bw = m.bw;
+	const mf_config c = m.config(0, m.nLayer);
 	mf_engine *e = create(c);
 	std::vector<float> logits(vocab);
 	const double fileBytes = bytes + embdBytes;
@@ -904,6 +928,88 @@ static int bench(bool big) {
 	return 0;
 }
 
+// median of t, in ms.
+static double medianMs(std::vector<double> t) {
+	std::sort(t.begin(), t.end());
+	return t[t.size() / 2] * 1e3;
+}
+
+// split times the bench model's greedy steps as two stages, layers [0, a)
+// and [a, nLayer) on two engines of this process stepping one after the
+// other (the first's hidden state to pinned memory, as a mesh stage's),
+// against the whole model on one engine, stepping and queued ahead: what
+// a split costs inside the engines, without hops or other processes. The
+// two stages' pick must be the whole model's.
+static int split(int a) {
+	BenchModel m = benchModel(false);
+	if (a <= 0 || a >= m.nLayer) {
+		fprintf(stderr, "split: layer %d outside 1..%d\n", a, m.nLayer - 1);
+		return 1;
+	}
+	const mf_config cw = m.config(0, m.nLayer), c1 = m.config(0, a), c2 = m.config(a, m.nLayer);
+	mf_engine *whole = create(cw), *s1 = create(c1), *s2 = create(c2);
+	float *hidden = mf_host_alloc(m.embd);
+	if (!hidden) {
+		fprintf(stderr, "split: no pinned memory\n");
+		return 1;
+	}
+	printf("split of the 8B-class model at layer %d; copy bandwidth %.0f GB/s, floor %.3f ms a step\n", a, m.bw / 1e9,
+	       m.bytes / m.bw * 1e3);
+	int bad = 0;
+	char err[512];
+	for (int n : {64, 192, 320}) {
+		std::vector<int> used(n);
+		for (int i = 0; i < n; i++) used[i] = i;
+		const int loc = n;
+		auto stage1 = [&](int tok) {
+			if (mf_step(s1, tok, nullptr, n, loc, used.data(), n, hidden, 1, err, sizeof err)) {
+				fprintf(stderr, "mf_step (first stage): %s\n", err);
+				exit(1);
+			}
+		};
+		for (int i = 0; i < 10; i++) pickOf(whole, i, nullptr, n, loc, used), stage1(i), pickOf(s2, 0, hidden, n, loc, used);
+		std::vector<double> tw, t1, t2, ts;
+		int differ = 0;
+		for (int i = 0; i < 100; i++) {
+			const int tok = (i * 7919) % m.vocab;
+			auto s = std::chrono::steady_clock::now();
+			const int pw = pickOf(whole, tok, nullptr, n, loc, used);
+			auto s0 = std::chrono::steady_clock::now();
+			stage1(tok);
+			auto s1t = std::chrono::steady_clock::now();
+			const int ps = pickOf(s2, 0, hidden, n, loc, used);
+			auto s2t = std::chrono::steady_clock::now();
+			differ += pw != ps;
+			tw.push_back(std::chrono::duration<double>(s0 - s).count());
+			t1.push_back(std::chrono::duration<double>(s1t - s0).count());
+			t2.push_back(std::chrono::duration<double>(s2t - s1t).count());
+			ts.push_back(std::chrono::duration<double>(s2t - s0).count());
+		}
+		double queued = 1e9;
+		for (int round = 0; round < 3; round++) {
+			int tok = 5, none = -1, pick = 0;
+			auto s = std::chrono::steady_clock::now();
+			bool fail = mf_queue_picks(whole, 1, &tok, &n, &loc, used.data(), &n, err, sizeof err);
+			for (int i = 0; i < 100 && !fail; i++)
+				fail = (i + 1 < 100 && mf_queue_picks(whole, 1, &none, &n, &loc, used.data(), &n, err, sizeof err)) ||
+				       mf_wait_picks(whole, &pick, err, sizeof err);
+			if (fail) {
+				fprintf(stderr, "queued steps: %s\n", err);
+				exit(1);
+			}
+			queued = std::min(queued, std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count() / 100 * 1e3);
+		}
+		const double w = medianMs(tw), st = medianMs(ts);
+		printf("  context %4d: whole %.3f ms stepping, %.3f queued; split %.3f ms (first %.3f + last %.3f, medians), %.3fx queued, "
+		       "%.3fx stepping; picks %s\n",
+		       n, w, queued, st, medianMs(t1), medianMs(t2), queued / st, w / st, differ ? "DIFFER" : "equal");
+		if (differ) fprintf(stderr, "split at %d, %d cells: %d of 100 picks differ from the whole model's\n", a, n, differ), bad = 1;
+	}
+	mf_host_free(hidden);
+	mf_destroy(s2), mf_destroy(s1), mf_destroy(whole);
+	return bad;
+}
+
 int main(int argc, char **argv) {
 	const char *what = argc > 1 ? argv[1] : "check";
 	int bad = 0;
@@ -964,5 +1070,6 @@ int main(int argc, char **argv) {
 	}
 	if (!strcmp(what, "bench") || !strcmp(what, "all")) bad |= bench(false);
 	if (!strcmp(what, "bench32")) bad |= bench(true);
+	if (!strcmp(what, "split")) bad |= split(argc > 2 ? atoi(argv[2]) : 18);
 	return bad;
 }
