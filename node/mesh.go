@@ -77,6 +77,12 @@ type mesh struct {
 
 	pubMu sync.Mutex // publish's turn
 
+	// sliceFetched is what each slice fetched in this process cost, by
+	// path, so that a slice made again after a replan (already in the data
+	// dir) still reports the bytes that came over the network for it.
+	sliceMu      sync.Mutex
+	sliceFetched map[string]uint64
+
 	mu     sync.Mutex
 	model  *meshModel
 	local  *localStage
@@ -163,7 +169,7 @@ type localStage struct {
 	engine     stage.Engine
 	server     *pipeline.Server
 	slice      string
-	fetched    uint64          // bytes fetched from peers for the slice
+	fetched    uint64          // bytes fetched from peers for the slice in this run (sliceCost)
 	observed   *observedEngine // engine, measured: what the server and a local pipe run on
 }
 
@@ -1264,8 +1270,29 @@ func (m *mesh) fetchSlice(ctx context.Context, mm *meshModel, start, end int) (s
 	if err != nil {
 		return "", 0, err
 	}
-	m.event("fetch", "fetched layers [%d,%d) from %s: %s", start, end, src, HumanBytes(res.Fetched))
-	return res.Path, res.Fetched, nil
+	fetched := m.sliceCost(res)
+	if res.Reused {
+		m.event("fetch", "layers [%d,%d) already in the data dir (%s fetched for them earlier by this node)", start, end, HumanBytes(fetched))
+	} else {
+		m.event("fetch", "fetched layers [%d,%d) from %s: %s", start, end, src, HumanBytes(fetched))
+	}
+	return res.Path, fetched, nil
+}
+
+// sliceCost is the bytes read from peers or the hub for the slice of res,
+// remembered from the fetch that made it when res reused it: 0 for a slice
+// made by an earlier run of the node.
+func (m *mesh) sliceCost(res weights.FetchResult) uint64 {
+	m.sliceMu.Lock()
+	defer m.sliceMu.Unlock()
+	if res.Reused {
+		return m.sliceFetched[res.Path]
+	}
+	if m.sliceFetched == nil {
+		m.sliceFetched = map[string]uint64{}
+	}
+	m.sliceFetched[res.Path] = res.Fetched
+	return res.Fetched
 }
 
 // ensurePipeline builds the pipeline for this node's requests when the

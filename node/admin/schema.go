@@ -200,7 +200,7 @@ type Local struct {
 	End         int    `json:"end"`
 	WeightBytes uint64 `json:"weight_bytes"`
 	SliceBytes  int64  `json:"slice_bytes"`   // the slice file on disk
-	Fetched     uint64 `json:"fetched_bytes"` // fetched from peers or the hub
+	Fetched     uint64 `json:"fetched_bytes"` // read from peers or the hub to make the slice, by this run of the node
 }
 
 // Event is something that happened: a join, a leave, a plan, an error.
