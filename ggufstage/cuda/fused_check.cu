@@ -349,6 +349,29 @@ static int pickOf(mf_engine *e, int tok, const float *hidden, int pos, int loc, 
 	return pick;
 }
 
+// queuedStep is the time a greedy one-row pass takes queued a pass ahead
+// (mf_queue_picks), each pass's token the pick before it, at position n
+// and cell loc after cells used: the best of 3 runs of 100, in seconds.
+static double queuedStep(mf_engine *e, int n, int loc, const std::vector<int> &used) {
+	char err[512];
+	const int m = (int)used.size();
+	int tok = 5, none = -1, pick = 0;
+	double best = 1e9;
+	for (int round = 0; round < 3; round++) {
+		auto s = std::chrono::steady_clock::now();
+		bool bad = mf_queue_picks(e, 1, &tok, &n, &loc, used.data(), &m, err, sizeof err);
+		for (int i = 0; i < 100 && !bad; i++)
+			bad = (i + 1 < 100 && mf_queue_picks(e, 1, &none, &n, &loc, used.data(), &m, err, sizeof err)) ||
+			      mf_wait_picks(e, &pick, err, sizeof err);
+		if (bad) {
+			fprintf(stderr, "queued steps: %s\n", err);
+			exit(1);
+		}
+		best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count() / 100);
+	}
+	return best;
+}
+
 static int check(int embd, int nHead, int nKV, int hd, int n, bool qwen2 = false) {
 	const int ffn = 5632, vocab = 3000, cells = 256, nLayer = 2;
 	Model m = makeModel(nLayer, embd, nHead, nKV, hd, ffn, vocab, cells, qwen2);
@@ -873,22 +896,7 @@ static int bench(bool big) {
 		// And queued a pass ahead (mf_queue_picks), each pass's token the
 		// last pick: the host's time between passes off the GPU's path.
 		{
-			char err[512];
-			const int m = n;
-			int tok = 5, none = -1;
-			double best = 1e9;
-			for (int round = 0; round < 3; round++) {
-				auto s = std::chrono::steady_clock::now();
-				bool bad = mf_queue_picks(e, 1, &tok, &n, &loc, used.data(), &m, err, sizeof err);
-				for (int i = 0; i < 100 && !bad; i++)
-					bad = (i + 1 < 100 && mf_queue_picks(e, 1, &none, &n, &loc, used.data(), &m, err, sizeof err)) ||
-					      mf_wait_picks(e, &pick, err, sizeof err);
-				if (bad) {
-					fprintf(stderr, "queued steps: %s\n", err);
-					exit(1);
-				}
-				best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count() / 100);
-			}
+			const double best = queuedStep(e, n, loc, used);
 			printf("  context %4d: queued greedy step %.3f ms (best of 3 runs of 100), %.2f of the read floor\n", n, best * 1e3,
 			       (bytes / bw) / best);
 			// Cell loc again as the logits' last step left it, which the
@@ -985,20 +993,7 @@ static int split(int a) {
 			t2.push_back(std::chrono::duration<double>(s2t - s1t).count());
 			ts.push_back(std::chrono::duration<double>(s2t - s0).count());
 		}
-		double queued = 1e9;
-		for (int round = 0; round < 3; round++) {
-			int tok = 5, none = -1, pick = 0;
-			auto s = std::chrono::steady_clock::now();
-			bool fail = mf_queue_picks(whole, 1, &tok, &n, &loc, used.data(), &n, err, sizeof err);
-			for (int i = 0; i < 100 && !fail; i++)
-				fail = (i + 1 < 100 && mf_queue_picks(whole, 1, &none, &n, &loc, used.data(), &n, err, sizeof err)) ||
-				       mf_wait_picks(whole, &pick, err, sizeof err);
-			if (fail) {
-				fprintf(stderr, "queued steps: %s\n", err);
-				exit(1);
-			}
-			queued = std::min(queued, std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count() / 100 * 1e3);
-		}
+		const double queued = queuedStep(whole, n, loc, used) * 1e3;
 		const double w = medianMs(tw), st = medianMs(ts);
 		printf("  context %4d: whole %.3f ms stepping, %.3f queued; split %.3f ms (first %.3f + last %.3f, medians), %.3fx queued, "
 		       "%.3fx stepping; picks %s\n",
