@@ -1271,9 +1271,12 @@ func (m *mesh) fetchSlice(ctx context.Context, mm *meshModel, start, end int) (s
 		return "", 0, err
 	}
 	fetched := m.sliceCost(res)
-	if res.Reused {
-		m.event("fetch", "layers [%d,%d) already in the data dir (%s fetched for them earlier by this node)", start, end, HumanBytes(fetched))
-	} else {
+	switch {
+	case res.Reused && fetched == 0:
+		m.event("fetch", "layers [%d,%d) already in the data dir, from an earlier run", start, end)
+	case res.Reused:
+		m.event("fetch", "layers [%d,%d) already in the data dir, fetched earlier in this run: %s", start, end, HumanBytes(fetched))
+	default:
 		m.event("fetch", "fetched layers [%d,%d) from %s: %s", start, end, src, HumanBytes(fetched))
 	}
 	return res.Path, fetched, nil
