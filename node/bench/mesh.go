@@ -775,8 +775,10 @@ func nodeEnv() []string {
 	var env []string
 	for _, kv := range os.Environ() {
 		// The fused CUDA kernels' knobs (MESHNODE_FUSED_PDL, _TIMING, ...)
-		// are no flags, unlike --fused-decode: they pass.
-		knob := strings.HasPrefix(kv, "MESHNODE_FUSED_") && !strings.HasPrefix(kv, "MESHNODE_FUSED_DECODE=")
+		// and the pollers' (MESHNODE_SPIN_YIELD) are no flags, unlike
+		// --fused-decode: they pass.
+		knob := strings.HasPrefix(kv, "MESHNODE_FUSED_") && !strings.HasPrefix(kv, "MESHNODE_FUSED_DECODE=") ||
+			strings.HasPrefix(kv, "MESHNODE_SPIN_")
 		if knob || !strings.HasPrefix(kv, "MESHNODE_") {
 			env = append(env, kv)
 		}

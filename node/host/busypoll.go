@@ -6,10 +6,11 @@ import (
 	"io"
 	"net"
 	"os"
-	"runtime"
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/meshnode/meshnode/node/spin"
 )
 
 // Why busy polling. A pipeline hop is one small message every few
@@ -66,19 +67,22 @@ func (r *busyReader) Read(b []byte) (int, error) {
 	var n int
 	var rerr error
 	spun := false
+	var pace spin.Pacer
 	err := r.raw.Read(func(fd uintptr) bool {
 		for {
 			n, rerr = syscall.Read(int(fd), b)
-			switch {
-			case rerr == syscall.EINTR:
+			if rerr == syscall.EINTR {
 				continue
-			case rerr != syscall.EAGAIN:
+			}
+			if rerr != syscall.EAGAIN {
 				return true
-			case spun || r.closed.Load() || !time.Now().Before(until):
+			}
+			now := time.Now()
+			if spun || r.closed.Load() || !now.Before(until) {
 				spun = true
 				return false // wait for the socket through the poller
 			}
-			runtime.Gosched()
+			pace.Missed(now)
 		}
 	})
 	switch {

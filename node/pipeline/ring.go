@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"time"
 	"unsafe"
+
+	"github.com/meshnode/meshnode/node/spin"
 )
 
 // Rings: a socket stream between two processes of one machine carries its
@@ -336,6 +338,7 @@ type ringReader struct {
 
 // read returns the next message, its body valid until the next read.
 func (r *ringReader) read(limit int) (byte, []byte, error) {
+	var pace spin.Pacer
 	for {
 		kind, body, ok, err := r.poll(limit)
 		if ok || err != nil {
@@ -353,8 +356,8 @@ func (r *ringReader) read(limit int) (byte, []byte, error) {
 		if r.side.stopRead.Load() {
 			return 0, nil, errRingClosed
 		}
-		if time.Since(r.last) < r.window() {
-			runtime.Gosched()
+		if now := time.Now(); now.Sub(r.last) < r.window() {
+			pace.Missed(now)
 			continue
 		}
 		if err := r.sleep(); err != nil {
