@@ -36,18 +36,16 @@ func init() {
 // Pacer paces one wait's yields. The zero value starts a wait: its first
 // empty poll yields.
 type Pacer struct {
-	next    time.Time
-	started bool
+	next time.Time // the zero time before the wait's first yield
 }
 
 // Missed is called after each empty poll, with the time; it yields the P
 // on the wait's first empty poll and then once every Interval, and says
 // whether it did.
 func (p *Pacer) Missed(now time.Time) bool {
-	if p.started && now.Before(p.next) {
+	if now.Before(p.next) {
 		return false
 	}
-	p.started = true
 	p.next = now.Add(Interval)
 	runtime.Gosched()
 	return true
