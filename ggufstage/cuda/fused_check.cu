@@ -1,9 +1,9 @@
 // Checks and times the fused decode path on random weights, without ggml:
 //
-//   fused_check check   one decode step of nine small models (head sizes
+//   fused_check check   one decode step of eleven small models (head sizes
 //                       128 and 64, one to eight query heads per KV head,
 //                       the cache in one split or several, Q6_K heads of
-//                       n_embd 2048, 2560, 3072 and 5120, and two with
+//                       n_embd 2048, 2560, 3072, 4096, 5120 and 6144, and two with
 //                       qwen2's biases and NeoX rotation) against a float64
 //                       reference on the host that quantizes activations as
 //                       the kernels do; a split into two stages must give
@@ -1034,6 +1034,8 @@ int main(int argc, char **argv) {
 			bad |= check(2048, 16, 2, 128, 150);
 			bad |= check(3072, 24, 8, 128, 220);
 			bad |= check(5120, 40, 8, 128, 90);
+			bad |= check(4096, 32, 8, 128, 130); // the 8B model's rows (run 283)
+			bad |= check(6144, 48, 8, 128, 70);
 			// q, k and v biases and NeoX rotation (qwen2).
 			bad |= check(2048, 16, 2, 128, 120, true);
 			bad |= check(2048, 32, 4, 64, 40, true);
