@@ -211,9 +211,10 @@ __device__ __forceinline__ uint32_t u32At2(const uint8_t *p) { // 2-byte aligned
 }
 
 // The quantized input in shared memory, a super-block (256 values, sixteen
-// 16-byte chunks) at a time, with its chunks and block scales permuted by
-// the super-block's index: the lanes of a warp read the same chunk of
-// different super-blocks, which would otherwise all sit in one bank.
+// 16-byte chunks) at a time, with its chunks permuted by the super-block's
+// index and its block scales by half of it (xdsSwizzle): the lanes of a
+// warp read the same chunk of different super-blocks, which would
+// otherwise all sit in one bank.
 __device__ __forceinline__ const int8_t *xqChunk(const int8_t *xq, int sb, int c) {
 	return xq + sb * 256 + ((c ^ (sb & 15)) << 4);
 }
