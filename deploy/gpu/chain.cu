@@ -19,7 +19,7 @@
 //   one stream       all the bytes as one phase: the copies' floor
 //
 // each with weights and input, weights alone, and neither (the boundaries).
-// README.md's NVIDIA section has what it measured on an H200 (runs 248-250).
+// ggufstage/cuda/README.md has what it measured on an H200 (runs 248-250).
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o chain deploy/gpu/chain.cu && ./chain [reps]
 #include <cuda_runtime.h>
