@@ -3,7 +3,7 @@
 # meshnode pins (github.com/ollama/ollama v0.17.4), for the local GPU, and
 # installs it beside the meshnode binary, where it is loaded at run time.
 #
-#   deploy/gpu/build-cuda.sh                     # sources from the Go module cache, GPU arch "native"
+#   deploy/gpu/build-cuda.sh                     # sources from the Go module cache (or a bundle's ollama/), GPU arch "native"
 #   deploy/gpu/build-cuda.sh --src DIR --arch 90 --out /opt/meshnode
 #   deploy/gpu/build-cuda.sh --fused-only --arch 90 --out DIR   # only meshnode's own kernels
 #
@@ -60,10 +60,12 @@ fi
 [ -z "$fused_only" ] || exit 0
 
 if [ -z "$src" ]; then
-  if command -v go >/dev/null; then
+  if [ -f "$root/ollama/CMakeLists.txt" ]; then # a bundle (deploy/gpu/bundle.sh)
+    src="$root/ollama"
+  elif command -v go >/dev/null; then
     src="$(cd "$(dirname "$0")/../.." && go list -m -f '{{.Dir}}' github.com/ollama/ollama)"
   else
-    echo "no Go here: pass --src with a copy of the ollama module (CMakeLists.txt and ml/backend/ggml/ggml)" >&2
+    echo "no Go here: pass --src with a copy of the ollama module (CMakeLists.txt and ml/backend/ggml/ggml), or run deploy/gpu/bundle.sh where Go is and build from its tarball" >&2
     exit 2
   fi
 fi
