@@ -375,7 +375,8 @@ func Print(w io.Writer, rows []Row) {
 		}
 		fr := ""
 		if r.FloorTPS > 0 {
-			fr = fmt.Sprintf("%.2f", r.DecodeTPS/r.FloorTPS)
+			// Three places: a share near a goal such as 0.70 must not round onto it.
+			fr = fmt.Sprintf("%.3f", r.DecodeTPS/r.FloorTPS)
 		}
 		fmt.Fprintf(w, " %12s\n", fr)
 	}
