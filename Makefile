@@ -22,11 +22,13 @@ export CGO_CFLAGS   = -O3 -march=$(MARCH) $(NOAMX)
 export CGO_CXXFLAGS = -O3 -march=$(MARCH) $(NOAMX)
 export CGO_CPPFLAGS = -DGGML_USE_CPU_REPACK $(GGML_INC)
 TAGS      ?= repack
+# Where build writes the binary (deploy/gpu/bundle.sh sets it).
+BIN       ?= bin/meshnode
 
 .PHONY: build portable portable-check cuda-syntax test fuzz vet proto bench clean env serve llamacpp-ref
 
 build:
-	$(GO) build -tags '$(TAGS)' -o bin/meshnode ./cmd/meshnode
+	$(GO) build -tags '$(TAGS)' -o $(BIN) ./cmd/meshnode
 
 portable:
 	$(MAKE) build MARCH=x86-64-v3

@@ -74,11 +74,8 @@ if [ "$1" = --build ]; then mkdir -p "$2/lib/ollama" && : > "$2/lib/ollama/libgg
 		if err != nil {
 			t.Skipf("no %s", tool)
 		}
-		link := filepath.Join(tools, tool)
-		if _, err := os.Stat(link); err != nil {
-			if err := os.Symlink(p, link); err != nil {
-				t.Fatal(err)
-			}
+		if err := os.Symlink(p, filepath.Join(tools, tool)); err != nil {
+			t.Fatal(err)
 		}
 	}
 	cmd := exec.Command("bash", filepath.Join(b, "deploy", "gpu", "build-cuda.sh"), "--arch", "90")

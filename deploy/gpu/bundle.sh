@@ -42,7 +42,7 @@ if [ -n "$binary" ]; then
   cp "$binary" "$b/bin/meshnode"
 else
   echo "building the portable binary (x86-64-v3; minutes on a cold cache)" >&2
-  (cd "$root" && eval "$(make -s env MARCH=x86-64-v3)" && go build -tags repack -o "$b/bin/meshnode" ./cmd/meshnode)
+  make -s -C "$root" portable BIN="$b/bin/meshnode" >&2
 fi
 cp -R "$root/deploy/gpu" "$b/deploy/gpu"
 cp -R "$root/ggufstage/cuda" "$b/ggufstage/cuda"
