@@ -451,6 +451,10 @@ func millis(d time.Duration) string {
 // the graph on the host, the scheduler allocating it, launching it, and
 // waiting for the backend.
 type StageTime struct {
+	// Layers is the node's stage as its metrics label it ("0-18"), empty
+	// where it did not say: nodes are listed in their own order, node 1
+	// (the API's) first, which need not be the plan's.
+	Layers                            string
 	Total, Graph, Alloc, Launch, Wait time.Duration
 	Ahead                             float64 // the share of passes built ahead
 	Allocated                         float64 // the share of passes allocated ahead
@@ -465,6 +469,9 @@ func stepText(step time.Duration, compute []StageTime) string {
 	rest := step
 	for i, c := range compute {
 		parts[i] = millis(c.Total)
+		if c.Layers != "" {
+			parts[i] += " [" + c.Layers + "]"
+		}
 		rest -= c.Total
 	}
 	return fmt.Sprintf("%s, rest %.3f", strings.Join(parts, " + "), rest.Seconds()*1e3)
@@ -492,8 +499,12 @@ func phaseText(compute []StageTime) string {
 
 // sums is a node's histogram sums and counts, and counter totals, by
 // metric name, labels dropped (a node runs one stage), except a phase
-// label, which is kept as name/phase.
-type sums map[string][2]float64
+// label, which is kept as name/phase; and the stage label of its
+// stage-compute histogram.
+type sums struct {
+	v     map[string][2]float64
+	stage string
+}
 
 // The metrics that the step breakdown reads.
 const (
@@ -509,7 +520,7 @@ const (
 func (m *meshRun) timings(ctx context.Context) []sums {
 	out := make([]sums, len(m.procs))
 	for i, p := range m.procs {
-		out[i] = sums{}
+		out[i] = sums{v: map[string][2]float64{}}
 		resp, err := m.get(ctx, p.url+"/metrics")
 		if err != nil {
 			continue
@@ -526,7 +537,7 @@ func (m *meshRun) timings(ctx context.Context) []sums {
 // stage-compute histograms from the Prometheus text format; unreadable
 // text reads as no histograms.
 func parseSums(r io.Reader) sums {
-	s := sums{}
+	s := sums{v: map[string][2]float64{}}
 	parser := expfmt.NewTextParser(model.LegacyValidation)
 	fams, err := parser.TextToMetricFamilies(r)
 	if err != nil {
@@ -538,11 +549,23 @@ func parseSums(r io.Reader) sums {
 			continue
 		}
 		var e [2]float64
+		most := 0.0
 		for _, m := range fam.GetMetric() {
+			n := float64(m.GetHistogram().GetSampleCount())
 			e[0] += m.GetHistogram().GetSampleSum()
-			e[1] += float64(m.GetHistogram().GetSampleCount())
+			e[1] += n
+			if name != metricStage || n <= most {
+				continue
+			}
+			// A node that changed stages keeps the old one's series: the
+			// stage it ran most passes of names it.
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "stage" {
+					s.stage, most = l.GetValue(), n
+				}
+			}
 		}
-		s[name] = e
+		s.v[name] = e
 	}
 	for _, name := range []string{metricAhead, metricAlloc} {
 		if fam, ok := fams[name]; ok {
@@ -550,7 +573,7 @@ func parseSums(r io.Reader) sums {
 			for _, m := range fam.GetMetric() {
 				e[0] += m.GetCounter().GetValue()
 			}
-			s[name] = e
+			s.v[name] = e
 		}
 	}
 	if fam, ok := fams[metricPhases]; ok {
@@ -558,9 +581,9 @@ func parseSums(r io.Reader) sums {
 			for _, l := range m.GetLabel() {
 				if l.GetName() == "phase" {
 					k := metricPhases + "/" + l.GetValue()
-					e := s[k]
+					e := s.v[k]
 					e[0] += m.GetCounter().GetValue()
-					s[k] = e
+					s.v[k] = e
 				}
 			}
 		}
@@ -577,7 +600,7 @@ func breakdown(before, after []sums) (step time.Duration, compute []StageTime) {
 		if i >= len(before) || i >= len(after) {
 			return 0
 		}
-		a, b := after[i], before[i]
+		a, b := after[i].v, before[i].v
 		if n := a[count][1] - b[count][1]; n > 0 {
 			return (a[name][0] - b[name][0]) / n
 		}
@@ -587,6 +610,7 @@ func breakdown(before, after []sums) (step time.Duration, compute []StageTime) {
 	step = secs(per(0, metricStep, metricStep))
 	for i := range after {
 		compute = append(compute, StageTime{
+			Layers:    after[i].stage,
 			Total:     secs(per(i, metricStage, metricStage)),
 			Graph:     secs(per(i, metricPhases+"/graph", metricStage)),
 			Alloc:     secs(per(i, metricPhases+"/alloc", metricStage)),
@@ -1304,7 +1328,7 @@ func PrintMesh(w io.Writer, rows []MeshRow) {
 	if other {
 		fmt.Fprintln(w, "(*N: pipelined, N micro-batches in flight: serve --micro-batches)")
 	}
-	fmt.Fprintln(w, "(step: one forward pass through every stage as node 1 waits for it; the rest: hops, framing and scheduling, which overlap with compute when lanes pipeline)")
+	fmt.Fprintln(w, "(step: one forward pass through every stage as node 1 waits for it; stage compute: each node's, node 1 (the API's) first, its layers in brackets; the rest: hops, framing and scheduling, which overlap with compute when lanes pipeline)")
 	header := false
 	for _, r := range rows {
 		p := phaseText(r.Compute)

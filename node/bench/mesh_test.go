@@ -196,6 +196,21 @@ meshnode_stage_passes_allocated_ahead_total{stage="0-2"} %g
 		return s
 	}
 	ms := func(v float64) time.Duration { return time.Duration(v * float64(time.Millisecond)) }
+	// as is a scrape of a node whose stage is layers instead of 0-2.
+	as := func(layers, scrape string) string {
+		return strings.ReplaceAll(scrape, `stage="0-2"`, `stage="`+layers+`"`)
+	}
+	// moved is a node that ran ten passes of 0-2 and then n of 2-5.
+	moved := func(n float64) string {
+		return fmt.Sprintf(`# TYPE meshnode_stage_compute_seconds histogram
+meshnode_stage_compute_seconds_bucket{stage="0-2",le="+Inf"} 10
+meshnode_stage_compute_seconds_sum{stage="0-2"} 0.5
+meshnode_stage_compute_seconds_count{stage="0-2"} 10
+meshnode_stage_compute_seconds_bucket{stage="2-5",le="+Inf"} %[1]g
+meshnode_stage_compute_seconds_sum{stage="2-5"} %[2]g
+meshnode_stage_compute_seconds_count{stage="2-5"} %[1]g
+`, n, n*0.003)
+	}
 	tests := []struct {
 		name          string
 		before, after []string
@@ -204,10 +219,17 @@ meshnode_stage_passes_allocated_ahead_total{stage="0-2"} %g
 	}{
 		{
 			name:    "two nodes",
-			before:  []string{scrape(1, 10, 0.5, 10, nil), scrape(0, 0, 0.2, 10, nil)},
-			after:   []string{scrape(1.5, 110, 0.6, 110, nil), scrape(0, 0, 0.4, 110, nil)},
+			before:  []string{scrape(1, 10, 0.5, 10, nil), as("2-5", scrape(0, 0, 0.2, 10, nil))},
+			after:   []string{scrape(1.5, 110, 0.6, 110, nil), as("2-5", scrape(0, 0, 0.4, 110, nil))},
 			step:    5 * time.Millisecond,
-			compute: []StageTime{{Total: time.Millisecond}, {Total: 2 * time.Millisecond}},
+			compute: []StageTime{{Layers: "0-2", Total: time.Millisecond}, {Layers: "2-5", Total: 2 * time.Millisecond}},
+		},
+		{
+			// The stage of most passes names the node; its mean covers both.
+			name:    "a node that changed stages",
+			before:  []string{moved(5)},
+			after:   []string{moved(105)},
+			compute: []StageTime{{Layers: "2-5", Total: 3 * time.Millisecond}},
 		},
 		{
 			name:   "phases",
@@ -215,22 +237,22 @@ meshnode_stage_passes_allocated_ahead_total{stage="0-2"} %g
 			after:  []string{scrape(1.5, 110, 0.6, 110, []float64{0.11, 0.012, 0.23, 0.36, 95, 84}), scrape(0, 0, 0.4, 110, []float64{1.1, 1.02, 1.05, 1.05, 0, 0})},
 			step:   5 * time.Millisecond,
 			compute: []StageTime{
-				{Total: ms(1), Graph: ms(0.1), Alloc: ms(0.02), Launch: ms(0.3), Wait: ms(0.6), Ahead: 0.9, Allocated: 0.8},
-				{Total: ms(2), Graph: ms(1), Alloc: ms(0.2), Launch: ms(0.5), Wait: ms(0.5)},
+				{Layers: "0-2", Total: ms(1), Graph: ms(0.1), Alloc: ms(0.02), Launch: ms(0.3), Wait: ms(0.6), Ahead: 0.9, Allocated: 0.8},
+				{Layers: "0-2", Total: ms(2), Graph: ms(1), Alloc: ms(0.2), Launch: ms(0.5), Wait: ms(0.5)},
 			},
 		},
 		{
 			name:    "no passes between the readings",
 			before:  []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3, 4, 5, 6})},
 			after:   []string{scrape(1, 10, 0.5, 10, []float64{1, 2, 3, 4, 5, 6})},
-			compute: []StageTime{{}},
+			compute: []StageTime{{Layers: "0-2"}},
 		},
 		{
 			name:    "a node that did not answer",
 			before:  []string{scrape(1, 10, 0.5, 10, nil), ""},
 			after:   []string{scrape(2, 20, 0.6, 20, nil), ""},
 			step:    100 * time.Millisecond,
-			compute: []StageTime{{Total: 10 * time.Millisecond}, {}},
+			compute: []StageTime{{Layers: "0-2", Total: 10 * time.Millisecond}, {}},
 		},
 	}
 	read := func(texts []string) []sums {
@@ -249,7 +271,7 @@ meshnode_stage_passes_allocated_ahead_total{stage="0-2"} %g
 			}
 			for i, c := range compute {
 				w := tc.compute[i]
-				if !near(c.Total, w.Total) || !near(c.Graph, w.Graph) || !near(c.Alloc, w.Alloc) || !near(c.Launch, w.Launch) || !near(c.Wait, w.Wait) ||
+				if c.Layers != w.Layers || !near(c.Total, w.Total) || !near(c.Graph, w.Graph) || !near(c.Alloc, w.Alloc) || !near(c.Launch, w.Launch) || !near(c.Wait, w.Wait) ||
 					math.Abs(c.Ahead-w.Ahead) > 1e-9 || math.Abs(c.Allocated-w.Allocated) > 1e-9 {
 					t.Fatalf("compute %+v, want %+v", compute, tc.compute)
 				}
@@ -259,6 +281,10 @@ meshnode_stage_passes_allocated_ahead_total{stage="0-2"} %g
 	two := []StageTime{{Total: ms(1), Graph: ms(0.25), Launch: ms(0.25), Wait: ms(0.5), Ahead: 0.5}, {Total: ms(2), Graph: ms(0.5), Alloc: ms(0.1), Launch: ms(0.4), Wait: ms(1), Ahead: 1, Allocated: 0.98}}
 	if got := stepText(5*time.Millisecond, two); got != "1.000 + 2.000, rest 2.000" {
 		t.Fatalf("stepText = %q", got)
+	}
+	two[0].Layers, two[1].Layers = "18-32", "0-18"
+	if got := stepText(5*time.Millisecond, two); got != "1.000 [18-32] + 2.000 [0-18], rest 2.000" {
+		t.Fatalf("stepText with layers = %q", got)
 	}
 	if got := phaseText(two); got != "0.250/-/0.250/0.500 (50% ahead) + 0.500/0.100/0.400/1.000 (100% ahead, 98% allocated)" {
 		t.Fatalf("phaseText = %q", got)
