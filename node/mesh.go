@@ -95,7 +95,9 @@ type mesh struct {
 	// a model not yet served.
 	ran    *meshModel
 	events []MeshEvent
-	meta   membership.Meta
+	// gpuHint is the last GPU-sharing hint given (hintGPUShare).
+	gpuHint string
+	meta    membership.Meta
 	// draining is set when the node is leaving on purpose.
 	draining bool
 	probed   bool // GPUs looked for
@@ -177,8 +179,21 @@ type localStage struct {
 type MeshEvent = admin.Event
 
 func (m *mesh) event(kind, format string, args ...any) {
-	ev := MeshEvent{Time: time.Now(), Kind: kind, Text: fmt.Sprintf(format, args...)}
-	m.log.Info(ev.Text, zap.String("event", kind))
+	m.record(false, kind, fmt.Sprintf(format, args...))
+}
+
+// warnEvent is an event that the log shows as a warning.
+func (m *mesh) warnEvent(kind, format string, args ...any) {
+	m.record(true, kind, fmt.Sprintf(format, args...))
+}
+
+func (m *mesh) record(warn bool, kind, text string) {
+	ev := MeshEvent{Time: time.Now(), Kind: kind, Text: text}
+	if warn {
+		m.log.Warn(ev.Text, zap.String("event", kind))
+	} else {
+		m.log.Info(ev.Text, zap.String("event", kind))
+	}
 	if m.obs != nil {
 		m.obs.onEvent(kind, ev.Text)
 	}
@@ -1352,6 +1367,24 @@ func (m *mesh) ensurePipeline(ctx context.Context, mm *meshModel, plan planner.P
 	}
 	m.setPipe(route, p, p)
 	m.event("pipeline", "requests run on %d stages", len(route))
+	m.hintGPUShare(route)
+}
+
+// hintGPUShare warns, once for each set of peers, when this node's CUDA
+// stage shares its GPU with other stages of route and MPS is not running.
+func (m *mesh) hintGPUShare(route []pipeline.Hop) {
+	m.mu.Lock()
+	backend := m.meta.Backend
+	m.mu.Unlock()
+	hint := gpuShareHint(backend, sharingGPU(m.self, backend, route, m.computeOf(route)), mpsRunning())
+	m.mu.Lock()
+	repeat := hint == m.gpuHint
+	m.gpuHint = hint
+	m.mu.Unlock()
+	if hint == "" || repeat {
+		return
+	}
+	m.warnEvent("gpu", "%s", hint)
 }
 
 func (m *mesh) setPipe(route []pipeline.Hop, p scheduler.Pipeline, remote *pipeline.Pipeline) {
