@@ -1994,6 +1994,9 @@ struct mf_engine {
 	// at event qDone[slot]. prevRows: the rows of the last pass whose picks
 	// devPicks holds (0: none, or not the pass before).
 	int queued = 0, qOldest = 0, qRows[kStaging] = {}, prevRows = 0;
+	// launched: the rows of a pass mf_launch_rows queued and
+	// mf_finish_rows has not waited for (0: none).
+	int launched = 0;
 	cudaEvent_t qDone[kStaging] = {};
 	float *pickV = nullptr;      // greedyPicks' candidates: rows × kPickBlocks values
 	int *pickAt = nullptr;       // and their indices
@@ -2726,7 +2729,8 @@ int stagePass(mf_engine *e, int slot, int rows, const int *tokens, const float *
 	}
 	memcpy(hp - total, cells, sizeof(int) * total);
 	*inBytes = sizeof(int) * (total + kParamInts);
-	if (!e->first) {
+	// No hidden states: they come from the device (mf_launch_rows).
+	if (!e->first && hidden) {
 		memcpy(hp + kParamInts, hidden, sizeof(float) * rows * c.embd);
 		*inBytes += sizeof(float) * rows * c.embd;
 	}
@@ -2737,7 +2741,8 @@ int stagePass(mf_engine *e, int slot, int rows, const int *tokens, const float *
 // launchPass queues a staged pass's input copy and its graph; ncells0 is
 // its first row's cells (which pick the graph). With timing, events
 // around both.
-int launchPass(mf_engine *e, int slot, int rows, int total, size_t inBytes, int ncells0, bool timing, char *err, int errlen) {
+int launchPass(mf_engine *e, int slot, int rows, int total, size_t inBytes, int ncells0, bool timing, char *err, int errlen,
+               const float *inDev = nullptr, cudaEvent_t after = nullptr) {
 	CK(cudaSetDevice(e->c.device));
 	cudaGraphExec_t exec;
 	// The splits a head takes, as attention counts them: two or more of
@@ -2756,6 +2761,10 @@ int launchPass(mf_engine *e, int slot, int rows, int total, size_t inBytes, int 
 	// buffers over the bus: that kernel took as long (run 148).
 	const int *hp = e->hostInput + (size_t)slot * e->inputInts + e->cellInts;
 	CK(cudaMemcpyAsync(e->params - total, hp - total, inBytes, cudaMemcpyHostToDevice, e->stream));
+	// The hidden states from another stage's pass on this device, once it
+	// has written them (mf_launch_rows).
+	if (after) CK(cudaStreamWaitEvent(e->stream, after, 0));
+	if (inDev) CK(cudaMemcpyAsync(e->x, inDev, sizeof(float) * rows * e->c.embd, cudaMemcpyDeviceToDevice, e->stream));
 	if (timing) CK(cudaEventRecord(e->ev0, e->stream));
 	std::chrono::steady_clock::time_point tLaunch;
 	if (timing) tLaunch = std::chrono::steady_clock::now();
@@ -2775,6 +2784,8 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 	const mf_config &c = e->c;
 	if (picks && !e->last) return errf(err, errlen, "greedy picks asked of a stage without the output layer"), 1;
 	if (e->queued) return errf(err, errlen, "a step while %d queued passes are not waited for", e->queued), 1;
+	if (e->launched) return errf(err, errlen, "a step while a launched pass is not finished"), 1;
+	if (!e->first && !hidden) return errf(err, errlen, "no hidden states for a stage that does not embed"), 1;
 	int total = 0;
 	size_t inBytes = 0;
 	if (stagePass(e, 0, rows, tokens, hidden, pos, loc, cells, ncells, 0, &total, &inBytes, err, errlen)) return 1;
@@ -2823,6 +2834,7 @@ extern "C" int mf_step_rows_picks(mf_engine *e, int rows, const int *tokens, con
 extern "C" int mf_queue_picks(mf_engine *e, int rows, const int *tokens, const int *pos, const int *loc, const int32_t *cells,
                               const int *ncells, char *err, int errlen) {
 	if (!e->first || !e->last) return errf(err, errlen, "passes queued on a stage without both the embedding and the output layer"), 1;
+	if (e->launched) return errf(err, errlen, "a pass queued while a launched pass is not finished"), 1;
 	if (e->queued == kStaging) return errf(err, errlen, "%d passes queued already", e->queued), 1;
 	const int slot = (e->qOldest + e->queued) % kStaging;
 	int total = 0;
@@ -2842,6 +2854,60 @@ extern "C" int mf_wait_picks(mf_engine *e, int *picks, char *err, int errlen) {
 	CK(cudaEventSynchronize(e->qDone[slot]));
 	if (picks) memcpy(picks, e->hostPicks + slot * kMaxRows, sizeof(int) * e->qRows[slot]);
 	return 0;
+}
+
+extern "C" int mf_launch_rows(mf_engine *e, int rows, const int *tokens, const float *hidden, const float *in_dev, void *after,
+                              const int *pos, const int *loc, const int32_t *cells, const int *ncells, float *out_dev,
+                              void *done, char *err, int errlen) {
+	const mf_config &c = e->c;
+	if (e->queued || e->launched) return errf(err, errlen, "a launch while another pass is not waited for"), 1;
+	if (e->first && (hidden || in_dev)) return errf(err, errlen, "hidden states into a stage that embeds"), 1;
+	if (!e->first && !hidden == !in_dev) return errf(err, errlen, "a stage that does not embed takes its hidden states from the host or the device, one of them"), 1;
+	if (!in_dev && after) return errf(err, errlen, "an event to wait for without hidden states on the device"), 1;
+	if (e->last && (out_dev || done)) return errf(err, errlen, "hidden states asked of the stage with the output layer"), 1;
+	int total = 0;
+	size_t inBytes = 0;
+	if (stagePass(e, 0, rows, tokens, hidden, pos, loc, cells, ncells, 0, &total, &inBytes, err, errlen)) return 1;
+	e->prevRows = 0;
+	if (launchPass(e, 0, rows, total, inBytes, ncells[0], false, err, errlen, in_dev, (cudaEvent_t)after)) return 1;
+	if (e->last) {
+		CK(greedyPicks(e->logits, rows, c.vocab, e->pickV, e->pickAt, e->hostPicksDev, nullptr, e->stream));
+	} else if (out_dev) {
+		CK(cudaMemcpyAsync(out_dev, e->x, sizeof(float) * rows * c.embd, cudaMemcpyDeviceToDevice, e->stream));
+	}
+	if (done) CK(cudaEventRecord((cudaEvent_t)done, e->stream));
+	e->launched = rows;
+	return 0;
+}
+
+extern "C" int mf_finish_rows(mf_engine *e, int *picks, float *out, char *err, int errlen) {
+	const int rows = e->launched;
+	if (!rows) return errf(err, errlen, "no launched pass to finish"), 1;
+	if (picks && !e->last) return errf(err, errlen, "greedy picks asked of a stage without the output layer"), 1;
+	if (out && e->last) return errf(err, errlen, "hidden states asked of the stage with the output layer"), 1;
+	e->launched = 0;
+	CK(cudaSetDevice(e->c.device));
+	if (out) CK(cudaMemcpyAsync(e->hostIO, e->x, sizeof(float) * rows * e->c.embd, cudaMemcpyDeviceToHost, e->stream));
+	CK(cudaStreamSynchronize(e->stream));
+	if (picks) memcpy(picks, e->hostPicks, sizeof(int) * rows);
+	if (out) memcpy(out, e->hostIO, sizeof(float) * rows * e->c.embd);
+	return 0;
+}
+
+extern "C" float *mf_device_alloc(mf_engine *e, size_t n) {
+	float *p = nullptr;
+	if (cudaSetDevice(e->c.device) != cudaSuccess || cudaMalloc(&p, sizeof(float) * n) != cudaSuccess) return nullptr;
+	return p;
+}
+
+extern "C" void *mf_event_create(mf_engine *e) {
+	cudaEvent_t ev = nullptr;
+	if (cudaSetDevice(e->c.device) != cudaSuccess || cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) return nullptr;
+	return ev;
+}
+
+extern "C" void mf_event_destroy(void *ev) {
+	if (ev) cudaEventDestroy((cudaEvent_t)ev);
 }
 
 // mf_profile_rows times each kind of kernel of a pass of n rows (the last

@@ -99,6 +99,32 @@ int mf_queue_picks(mf_engine *e, int rows, const int *tokens, const int *pos, co
                    const int *ncells, char *err, int errlen);
 int mf_wait_picks(mf_engine *e, int *picks, char *err, int errlen);
 
+// mf_launch_rows queues a pass of rows rows as mf_step_rows_picks does
+// and returns without waiting for it, so that two stages on one device can
+// hand a pass's hidden states over on the device, the host out of the
+// way: a stage without the output layer copies its hidden output to
+// device memory out_dev (if not NULL) and records event done after it (if
+// not NULL); a stage that does not embed takes its hidden input from the
+// host (hidden) or from device memory in_dev (rows × embd floats), read
+// once event after is reached (if not NULL). Its caller queues the second
+// stage's pass right after the first's, long before the first is done.
+// mf_finish_rows waits for the pass and writes the greedy picks of a stage
+// with the output layer (picks, if not NULL) or the hidden output of one
+// without (out, if not NULL) to the host. Until then no other pass can be
+// stepped, queued or launched. 0, or a message in err.
+int mf_launch_rows(mf_engine *e, int rows, const int *tokens, const float *hidden, const float *in_dev, void *after,
+                   const int *pos, const int *loc, const int32_t *cells, const int *ncells, float *out_dev, void *done,
+                   char *err, int errlen);
+int mf_finish_rows(mf_engine *e, int *picks, float *out, char *err, int errlen);
+
+// mf_device_alloc returns n floats of memory on the engine's device (NULL
+// if it cannot), which mf_device_free gives back; mf_event_create returns
+// an event of the engine's device for mf_launch_rows (NULL if it cannot),
+// which mf_event_destroy destroys.
+float *mf_device_alloc(mf_engine *e, size_t n);
+void *mf_event_create(mf_engine *e);
+void mf_event_destroy(void *ev);
+
 // mf_max_rows is the most rows mf_step_rows takes: 8, fewer where the
 // rows' inputs leave the mat-vecs too little shared memory (4 for a
 // feed-forward of 27648, the 32B shape), or MESHNODE_FUSED_ROWS.

@@ -20,6 +20,9 @@
 //   fused_check split [a] the 8B-class model's greedy steps as two stages,
 //                       layers [0, a) and [a, 32) (a 18 unless given) in
 //                       this process, against the whole model on one engine.
+//   fused_check handoff [a] the same two stages handing the hidden state
+//                       over on the device (mf_launch_rows), against the
+//                       host hand-off of split and the whole model.
 //
 // Built on a GPU machine, from the repository's root (sm_90 here; any sm_80+):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -o fused_check \
@@ -1005,6 +1008,85 @@ static int split(int a) {
 	return bad;
 }
 
+// handoff times the two stages of split, the first stage's hidden state
+// handed to the second on the device (mf_launch_rows): the second stage's
+// pass is queued right behind the first's, waiting on an event for its
+// input, so that no host stands between the two graphs. Against split's
+// hand-off through the host, it is what a device hand-off between two
+// stages of one GPU can win, without processes or hops on either side.
+// Both hand-offs' picks must be the whole model's.
+static int handoff(int a) {
+	BenchModel m = benchModel(false);
+	if (a <= 0 || a >= m.nLayer) {
+		fprintf(stderr, "handoff: layer %d outside 1..%d\n", a, m.nLayer - 1);
+		return 1;
+	}
+	const mf_config cw = m.config(0, m.nLayer), c1 = m.config(0, a), c2 = m.config(a, m.nLayer);
+	mf_engine *whole = create(cw), *s1 = create(c1), *s2 = create(c2);
+	float *hidden = mf_host_alloc(m.embd), *dev = mf_device_alloc(s1, m.embd);
+	void *ev = mf_event_create(s1);
+	if (!hidden || !dev || !ev) {
+		fprintf(stderr, "handoff: no pinned memory, device memory or event\n");
+		return 1;
+	}
+	printf("hand-off of the 8B-class model's split at layer %d; copy bandwidth %.0f GB/s, floor %.3f ms a step\n", a, m.bw / 1e9,
+	       m.bytes / m.bw * 1e3);
+	int bad = 0;
+	char err[512];
+	for (int n : {64, 192, 320}) {
+		std::vector<int> used(n);
+		for (int i = 0; i < n; i++) used[i] = i;
+		int loc = n, pos = n, ncells = n;
+		auto viaHost = [&](int tok) {
+			if (mf_step(s1, tok, nullptr, pos, loc, used.data(), n, hidden, 1, err, sizeof err)) {
+				fprintf(stderr, "mf_step (first stage): %s\n", err);
+				exit(1);
+			}
+			return pickOf(s2, 0, hidden, pos, loc, used);
+		};
+		auto viaDevice = [&](int tok) {
+			int pick = -2, none = 0;
+			if (mf_launch_rows(s1, 1, &tok, nullptr, nullptr, nullptr, &pos, &loc, used.data(), &ncells, dev, ev, err, sizeof err) ||
+			    mf_launch_rows(s2, 1, &none, nullptr, dev, ev, &pos, &loc, used.data(), &ncells, nullptr, nullptr, err, sizeof err) ||
+			    mf_finish_rows(s1, nullptr, nullptr, err, sizeof err) || mf_finish_rows(s2, &pick, nullptr, err, sizeof err)) {
+				fprintf(stderr, "device hand-off: %s\n", err);
+				exit(1);
+			}
+			return pick;
+		};
+		for (int i = 0; i < 10; i++) pickOf(whole, i, nullptr, pos, loc, used), viaHost(i), viaDevice(i);
+		std::vector<double> tw, th, td;
+		int differHost = 0, differDevice = 0;
+		for (int i = 0; i < 100; i++) {
+			const int tok = (i * 7919) % m.vocab;
+			auto s = std::chrono::steady_clock::now();
+			const int pw = pickOf(whole, tok, nullptr, pos, loc, used);
+			auto s0 = std::chrono::steady_clock::now();
+			const int ph = viaHost(tok);
+			auto s1t = std::chrono::steady_clock::now();
+			const int pd = viaDevice(tok);
+			auto s2t = std::chrono::steady_clock::now();
+			differHost += pw != ph, differDevice += pw != pd;
+			tw.push_back(std::chrono::duration<double>(s0 - s).count());
+			th.push_back(std::chrono::duration<double>(s1t - s0).count());
+			td.push_back(std::chrono::duration<double>(s2t - s1t).count());
+		}
+		const double queued = queuedStep(whole, n, loc, used) * 1e3;
+		const double h = medianMs(th), d = medianMs(td);
+		printf("  context %4d: whole %.3f ms stepping, %.3f queued; split through the host %.3f ms (%.3fx queued), on the device %.3f "
+		       "(%.3fx queued, %.3f ms less); picks %s\n",
+		       n, medianMs(tw), queued, h, queued / h, d, queued / d, h - d, differHost || differDevice ? "DIFFER" : "equal");
+		if (differHost || differDevice)
+			fprintf(stderr, "handoff at %d, %d cells: %d (host) and %d (device) of 100 picks differ from the whole model's\n", a, n,
+			        differHost, differDevice),
+			    bad = 1;
+	}
+	mf_event_destroy(ev);
+	mf_device_free(dev), mf_host_free(hidden);
+	mf_destroy(s2), mf_destroy(s1), mf_destroy(whole);
+	return bad;
+}
+
 int main(int argc, char **argv) {
 	const char *what = argc > 1 ? argv[1] : "check";
 	int bad = 0;
@@ -1068,5 +1150,6 @@ int main(int argc, char **argv) {
 	if (!strcmp(what, "bench") || !strcmp(what, "all")) bad |= bench(false);
 	if (!strcmp(what, "bench32")) bad |= bench(true);
 	if (!strcmp(what, "split")) bad |= split(argc > 2 ? atoi(argv[2]) : 18);
+	if (!strcmp(what, "handoff")) bad |= handoff(argc > 2 ? atoi(argv[2]) : 18);
 	return bad;
 }

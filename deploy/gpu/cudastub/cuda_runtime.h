@@ -57,6 +57,7 @@ cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *, cudaGraph_t, unsign
 cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *); cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode);
 cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *, const void *, void **);
 cudaError_t cudaStreamDestroy(cudaStream_t); cudaError_t cudaStreamCreateWithFlags(cudaStream_t *, unsigned); cudaError_t cudaStreamSynchronize(cudaStream_t);
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned = 0);
 extern "C" unsigned __cudaPushCallConfiguration(dim3, dim3, size_t = 0, cudaStream_t = 0);
 __device__ void __syncthreads(); __device__ void __syncwarp(unsigned = 0xffffffffu); __device__ void __threadfence();
 __device__ float __expf(float); __device__ float __fmul_rn(float, float); __device__ int __float2int_rn(float);
