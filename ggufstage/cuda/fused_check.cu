@@ -945,6 +945,45 @@ static double medianMs(std::vector<double> t) {
 	return t[t.size() / 2] * 1e3;
 }
 
+// SplitStages is the bench model whole on one engine and split at a layer
+// into two, with pinned memory for the first stage's hidden state: what
+// split and handoff time.
+struct SplitStages {
+	BenchModel m;
+	mf_engine *whole = nullptr, *s1 = nullptr, *s2 = nullptr;
+	float *hidden = nullptr;
+	// firstStep steps the first stage at position n, in cell loc after the
+	// cells used, its hidden state into hidden.
+	void firstStep(int tok, int n, int loc, const std::vector<int> &used) const {
+		char err[512];
+		if (mf_step(s1, tok, nullptr, n, loc, used.data(), n, hidden, 1, err, sizeof err)) {
+			fprintf(stderr, "mf_step (first stage): %s\n", err);
+			exit(1);
+		}
+	}
+	~SplitStages() {
+		mf_host_free(hidden);
+		mf_destroy(s2), mf_destroy(s1), mf_destroy(whole);
+	}
+};
+
+// openSplit makes s for what (split, handoff), split at layer a; false,
+// having said why, if it cannot.
+static bool openSplit(const char *what, int a, SplitStages &s) {
+	s.m = benchModel(false);
+	const BenchModel &m = s.m;
+	if (a <= 0 || a >= m.nLayer) {
+		fprintf(stderr, "%s: layer %d outside 1..%d\n", what, a, m.nLayer - 1);
+		return false;
+	}
+	s.whole = create(m.config(0, m.nLayer)), s.s1 = create(m.config(0, a)), s.s2 = create(m.config(a, m.nLayer));
+	if (!(s.hidden = mf_host_alloc(m.embd))) {
+		fprintf(stderr, "%s: no pinned memory\n", what);
+		return false;
+	}
+	return true;
+}
+
 // split times the bench model's greedy steps as two stages, layers [0, a)
 // and [a, nLayer) on two engines of this process stepping one after the
 // other (the first's hidden state to pinned memory, as a mesh stage's),
@@ -952,32 +991,19 @@ static double medianMs(std::vector<double> t) {
 // a split costs inside the engines, without hops or other processes. The
 // two stages' pick must be the whole model's.
 static int split(int a) {
-	BenchModel m = benchModel(false);
-	if (a <= 0 || a >= m.nLayer) {
-		fprintf(stderr, "split: layer %d outside 1..%d\n", a, m.nLayer - 1);
-		return 1;
-	}
-	const mf_config cw = m.config(0, m.nLayer), c1 = m.config(0, a), c2 = m.config(a, m.nLayer);
-	mf_engine *whole = create(cw), *s1 = create(c1), *s2 = create(c2);
-	float *hidden = mf_host_alloc(m.embd);
-	if (!hidden) {
-		fprintf(stderr, "split: no pinned memory\n");
-		return 1;
-	}
+	SplitStages s;
+	if (!openSplit("split", a, s)) return 1;
+	const BenchModel &m = s.m;
+	mf_engine *whole = s.whole, *s2 = s.s2;
+	float *hidden = s.hidden;
 	printf("split of the 8B-class model at layer %d; copy bandwidth %.0f GB/s, floor %.3f ms a step\n", a, m.bw / 1e9,
 	       m.bytes / m.bw * 1e3);
 	int bad = 0;
-	char err[512];
 	for (int n : {64, 192, 320}) {
 		std::vector<int> used(n);
 		for (int i = 0; i < n; i++) used[i] = i;
 		const int loc = n;
-		auto stage1 = [&](int tok) {
-			if (mf_step(s1, tok, nullptr, n, loc, used.data(), n, hidden, 1, err, sizeof err)) {
-				fprintf(stderr, "mf_step (first stage): %s\n", err);
-				exit(1);
-			}
-		};
+		auto stage1 = [&](int tok) { s.firstStep(tok, n, loc, used); };
 		for (int i = 0; i < 10; i++) pickOf(whole, i, nullptr, n, loc, used), stage1(i), pickOf(s2, 0, hidden, n, loc, used);
 		std::vector<double> tw, t1, t2, ts;
 		int differ = 0;
@@ -1003,8 +1029,6 @@ static int split(int a) {
 		       n, w, queued, st, medianMs(t1), medianMs(t2), queued / st, w / st, differ ? "DIFFER" : "equal");
 		if (differ) fprintf(stderr, "split at %d, %d cells: %d of 100 picks differ from the whole model's\n", a, n, differ), bad = 1;
 	}
-	mf_host_free(hidden);
-	mf_destroy(s2), mf_destroy(s1), mf_destroy(whole);
 	return bad;
 }
 
@@ -1016,17 +1040,14 @@ static int split(int a) {
 // stages of one GPU can win, without processes or hops on either side.
 // Both hand-offs' picks must be the whole model's.
 static int handoff(int a) {
-	BenchModel m = benchModel(false);
-	if (a <= 0 || a >= m.nLayer) {
-		fprintf(stderr, "handoff: layer %d outside 1..%d\n", a, m.nLayer - 1);
-		return 1;
-	}
-	const mf_config cw = m.config(0, m.nLayer), c1 = m.config(0, a), c2 = m.config(a, m.nLayer);
-	mf_engine *whole = create(cw), *s1 = create(c1), *s2 = create(c2);
-	float *hidden = mf_host_alloc(m.embd), *dev = mf_device_alloc(s1, m.embd);
+	SplitStages s;
+	if (!openSplit("handoff", a, s)) return 1;
+	const BenchModel &m = s.m;
+	mf_engine *whole = s.whole, *s1 = s.s1, *s2 = s.s2;
+	float *hidden = s.hidden, *dev = mf_device_alloc(s1, m.embd);
 	void *ev = mf_event_create(s1);
-	if (!hidden || !dev || !ev) {
-		fprintf(stderr, "handoff: no pinned memory, device memory or event\n");
+	if (!dev || !ev) {
+		fprintf(stderr, "handoff: no device memory or event\n");
 		return 1;
 	}
 	printf("hand-off of the 8B-class model's split at layer %d; copy bandwidth %.0f GB/s, floor %.3f ms a step\n", a, m.bw / 1e9,
@@ -1038,10 +1059,7 @@ static int handoff(int a) {
 		for (int i = 0; i < n; i++) used[i] = i;
 		int loc = n, pos = n, ncells = n;
 		auto viaHost = [&](int tok) {
-			if (mf_step(s1, tok, nullptr, pos, loc, used.data(), n, hidden, 1, err, sizeof err)) {
-				fprintf(stderr, "mf_step (first stage): %s\n", err);
-				exit(1);
-			}
+			s.firstStep(tok, pos, loc, used);
 			return pickOf(s2, 0, hidden, pos, loc, used);
 		};
 		auto viaDevice = [&](int tok) {
@@ -1082,8 +1100,7 @@ static int handoff(int a) {
 			    bad = 1;
 	}
 	mf_event_destroy(ev);
-	mf_device_free(dev), mf_host_free(hidden);
-	mf_destroy(s2), mf_destroy(s1), mf_destroy(whole);
+	mf_device_free(dev);
 	return bad;
 }
 
