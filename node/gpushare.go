@@ -60,7 +60,7 @@ func gpuShareHint(backend string, peers []string, mps bool) string {
 	}
 	short := make([]string, len(peers))
 	for i, p := range peers {
-		short[i] = "…" + p[max(0, len(p)-6):]
+		short[i] = "…" + shortID(p)
 	}
 	return "this node's stage shares its GPU with the stage of " + strings.Join(short, ", ") +
 		", and NVIDIA's MPS daemon is not running (no " + filepath.Join(mpsPipeDir(), "control") +
