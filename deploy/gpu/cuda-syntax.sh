@@ -20,7 +20,7 @@ if [ -z "$cxx" ]; then
   [ -z "${CI:-}" ] || exit 1
   exit 0
 fi
-files=(ggufstage/cuda/fused.cu ggufstage/cuda/fused_check.cu deploy/gpu/bandwidth.cu deploy/gpu/handover.cu deploy/gpu/chain.cu)
+files=(ggufstage/cuda/fused.cu ggufstage/cuda/fused_check.cu deploy/gpu/bandwidth.cu deploy/gpu/handover.cu deploy/gpu/chain.cu deploy/gpu/ipc.cu)
 bad=0
 for f in "${files[@]}"; do
   for side in --cuda-host-only --cuda-device-only; do

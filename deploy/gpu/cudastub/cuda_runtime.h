@@ -25,7 +25,7 @@ struct dim3 { unsigned x, y, z; __host__ __device__ constexpr dim3(unsigned a = 
 struct uint4 { unsigned x, y, z, w; }; struct uint2 { unsigned x, y; }; struct int4 { int x, y, z, w; }; struct uint3 { unsigned x, y, z; };
 struct float2 { float x, y; }; struct float4 { float x, y, z, w; };
 __host__ __device__ int4 make_int4(int, int, int, int); __host__ __device__ float2 make_float2(float, float); __host__ __device__ uint4 make_uint4(unsigned, unsigned, unsigned, unsigned);
-typedef int cudaError_t; enum { cudaSuccess = 0, cudaErrorInvalidDevicePointer = 17 };
+typedef int cudaError_t; enum { cudaSuccess = 0, cudaErrorInvalidDevicePointer = 17, cudaErrorNotReady = 600 };
 typedef struct CUst_st *cudaStream_t; typedef struct CUev_st *cudaEvent_t; typedef struct CUg_st *cudaGraph_t; typedef struct CUge_st *cudaGraphExec_t;
 enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
 enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97, cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81, cudaDevAttrMultiProcessorCount = 16 };
@@ -58,6 +58,11 @@ cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *); cudaError_t cudaS
 cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *, const void *, void **);
 cudaError_t cudaStreamDestroy(cudaStream_t); cudaError_t cudaStreamCreateWithFlags(cudaStream_t *, unsigned); cudaError_t cudaStreamSynchronize(cudaStream_t);
 cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned = 0);
+cudaError_t cudaEventQuery(cudaEvent_t); cudaError_t cudaStreamQuery(cudaStream_t); constexpr unsigned cudaEventInterprocess = 4;
+struct cudaIpcMemHandle_t { char reserved[64]; }; struct cudaIpcEventHandle_t { char reserved[64]; }; constexpr unsigned cudaIpcMemLazyEnablePeerAccess = 1;
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *, void *); cudaError_t cudaIpcOpenMemHandle(void **, cudaIpcMemHandle_t, unsigned); cudaError_t cudaIpcCloseMemHandle(void *);
+cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t *, cudaEvent_t); cudaError_t cudaIpcOpenEventHandle(cudaEvent_t *, cudaIpcEventHandle_t);
+cudaError_t cudaDeviceGetPCIBusId(char *, int, int); cudaError_t cudaGetDevice(int *);
 extern "C" unsigned __cudaPushCallConfiguration(dim3, dim3, size_t = 0, cudaStream_t = 0);
 __device__ void __syncthreads(); __device__ void __syncwarp(unsigned = 0xffffffffu); __device__ void __threadfence();
 __device__ float __expf(float); __device__ float __fmul_rn(float, float); __device__ int __float2int_rn(float);
