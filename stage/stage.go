@@ -75,7 +75,22 @@ func (b *Batch) Rows() int { return len(b.Seqs) }
 
 // Validate checks the batch's shape against the engine that will run it.
 // Engines call it first so that a bad batch is an error, never a crash.
-func (b *Batch) Validate(info Info) error {
+func (b *Batch) Validate(info Info) error { return b.validate(info, false) }
+
+// ValidateOnDevice is Validate for a batch of a stage that does not embed
+// whose hidden states lie in device memory, not in b.Hidden (which must be
+// nil): it checks everything else.
+func (b *Batch) ValidateOnDevice(info Info) error {
+	if info.First() {
+		return errors.New("stage: hidden states on a device into a stage that embeds")
+	}
+	if b.Hidden != nil {
+		return errors.New("stage: hidden states both on a device and in the batch")
+	}
+	return b.validate(info, true)
+}
+
+func (b *Batch) validate(info Info, onDevice bool) error {
 	n := len(b.Seqs)
 	if n == 0 {
 		return errors.New("stage: empty batch")
@@ -97,7 +112,7 @@ func (b *Batch) Validate(info Info) error {
 				return fmt.Errorf("stage: row %d token id %d outside vocabulary [0,%d)", r, t, info.Vocab)
 			}
 		}
-	} else {
+	} else if !onDevice {
 		if b.Hidden == nil {
 			return errors.New("stage: non-first stage needs hidden states")
 		}

@@ -163,6 +163,7 @@ type stageOpts struct {
 	maxSeqs      int                           // overrides the engine options' when > 0
 	vocab        func() (*sample.Vocab, error) // for JSON output, on the last stage
 	sockets      *socketRoutes                 // the stage dials its next hop over socket streams
+	handoff      bool                          // ServerConfig.DeviceHandoff
 }
 
 // socketRoutes maps each test stage's address to its socket server's Unix
@@ -255,7 +256,7 @@ func startStage(t testing.TB, e stage.Engine, o stageOpts) *testStage {
 	}
 	ts.srv, err = NewServer(ServerConfig{
 		Engine: e, Dial: dial, ModelID: "stories260K", ModelHash: "test-hash",
-		MaxFrameBytes: o.maxFrame, SetupTimeout: o.setupTimeout, Vocab: o.vocab,
+		MaxFrameBytes: o.maxFrame, SetupTimeout: o.setupTimeout, Vocab: o.vocab, DeviceHandoff: o.handoff,
 		OnBadPeer: func(peer string, err error) {
 			ts.mu.Lock()
 			defer ts.mu.Unlock()

@@ -103,6 +103,12 @@ type link struct {
 	// Last: where replies go.
 	key pipeKey
 	rv  *rendezvous
+
+	// Hand-offs on the device (handoff.go): this stage's port to the next
+	// hop, and the previous hop's, opened here; and how many steps came
+	// through them, or from one through the host.
+	handTo, handFrom stage.HandoffPort
+	handed, fellBack int
 }
 
 func (s *Server) serveForward(ctx context.Context, cancel context.CancelCauseFunc, stream meshnodev1.StageService_ForwardServer,
@@ -114,7 +120,13 @@ func (s *Server) serveForward(ctx context.Context, cancel context.CancelCauseFun
 		seqs: map[stage.SeqID]*seqState{},
 		join: joiner{lim: s.lim},
 	}
-	err := l.start()
+	var err error
+	if st.Handoff != nil {
+		err = l.answerHandoff()
+	}
+	if err == nil {
+		err = l.start()
+	}
 	if err == nil {
 		err = l.loop()
 	}
@@ -171,14 +183,39 @@ func (l *link) start() error {
 	}
 	st := l.st
 	st.Hop = next
+	st.Handoff, st.HandoffTaken = nil, false
+	var port stage.HandoffPort
+	if socketOf(down) != nil {
+		// Only a local stream: the next hop is on this machine, and may
+		// share this stage's GPU.
+		port, st.Handoff = l.offerHandoff()
+	}
 	f, err := wire.EncodeSetup(st)
 	if err != nil {
+		if port != nil {
+			port.Close()
+		}
 		return &failure{hop: l.st.Hop, from: fromHere, err: err}
 	}
 	if err := down.Send(f); err != nil {
+		if port != nil {
+			port.Close()
+		}
 		return unreachable(err)
 	}
 	l.down = down
+	if port != nil {
+		taken, err := l.handoffAnswer()
+		if err != nil || !taken {
+			port.Close()
+		}
+		if err != nil {
+			return err
+		}
+		if taken {
+			l.handTo = port
+		}
+	}
 	l.wireDType = l.st.WireDType
 	l.watched = make(chan struct{})
 	l.closing = make(chan struct{})
@@ -367,7 +404,7 @@ func (l *link) handle(f *meshnodev1.Frame) error {
 		if err != nil {
 			return l.bad(step, err)
 		}
-		return l.run(step, b)
+		return l.run(step, b, f.GetTokens().GetAlone(), false)
 	case *meshnodev1.Frame_Activations:
 		if l.first {
 			return l.bad(step, fmt.Errorf("%w: hidden states into stage %s, which embeds", wire.ErrBadFrame, l.s.info.Range()))
@@ -379,6 +416,18 @@ func (l *link) handle(f *meshnodev1.Frame) error {
 		if len(b.Tokens) == 0 {
 			return l.bad(step, fmt.Errorf("%w: step %d activations carry no token ids", wire.ErrBadFrame, step))
 		}
+		if a := f.GetActivations(); a.GetOnDevice() {
+			switch {
+			case l.handFrom == nil:
+				return l.bad(step, fmt.Errorf("%w: step %d's hidden states on the device, where no hand-off was set up", wire.ErrBadFrame, step))
+			case l.join.pending():
+				return l.bad(step, fmt.Errorf("%w: hidden states on the device inside split step %d", wire.ErrBadFrame, l.join.step))
+			case a.GetCols() != uint32(l.s.info.Embd):
+				return l.bad(step, fmt.Errorf("%w: step %d's hidden states on the device are %d wide, want %d", wire.ErrBadFrame, step, a.GetCols(), l.s.info.Embd))
+			}
+			return l.run(step, b, true, true)
+		}
+		alone := f.GetActivations().GetAlone()
 		whole, err := l.join.add(step, b, f.GetActivations().GetMore())
 		if err != nil {
 			return l.bad(step, err)
@@ -386,7 +435,7 @@ func (l *link) handle(f *meshnodev1.Frame) error {
 		if whole == nil {
 			return nil
 		}
-		return l.run(step, whole)
+		return l.run(step, whole, alone, false)
 	case *meshnodev1.Frame_Error:
 		re, err := wire.DecodeError(f)
 		if err == nil && re.Hop >= len(l.st.Route) {
@@ -506,8 +555,10 @@ func (l *link) jsonConstraint(history []int32, from int, schema *sample.Schema) 
 }
 
 // run sends one batch through the engine and its output on: hidden states
-// to the next hop, or sampled tokens to the origin.
-func (l *link) run(step uint64, b *stage.Batch) error {
+// to the next hop, or sampled tokens to the origin. alone: no other batch
+// of the pipeline is in flight (Tokens.alone); onDevice: its hidden states
+// wait in the previous hop's port (b.Hidden is nil).
+func (l *link) run(step uint64, b *stage.Batch, alone, onDevice bool) error {
 	local := *b
 	local.Seqs = make([]stage.SeqID, len(b.Seqs))
 	for r, q := range b.Seqs {
@@ -517,14 +568,40 @@ func (l *link) run(step uint64, b *stage.Batch) error {
 		}
 		local.Seqs[r] = st.local
 	}
-	if err := local.Validate(l.s.info); err != nil {
+	validate := local.Validate
+	if onDevice {
+		validate = local.ValidateOnDevice
+	}
+	if err := validate(l.s.info); err != nil {
+		if onDevice {
+			// The previous hop's word on the buffer still comes.
+			if _, err := l.awaitHanded(step); err != nil {
+				return err
+			}
+		}
 		return l.bad(step, fmt.Errorf("%w: step %d: %w", wire.ErrBadFrame, step, err))
 	}
 	// Known sequences only, checked above. sample checks the engine's
 	// picks against b's.
 	b.PicksOnly = l.last && l.greedy(b)
 	local.PicksOnly = b.PicksOnly
-	out, err := l.s.cfg.Engine.Forward(l.ctx, &local)
+	var in, out stage.HandoffPort
+	if onDevice {
+		in = l.handFrom
+	}
+	if alone && !l.last {
+		out = l.handTo
+	}
+	if in != nil || out != nil {
+		return l.runOnDevice(step, b, &local, in, out)
+	}
+	return l.forward(step, b, &local, alone)
+}
+
+// forward runs b (local: with the engine's sequence ids) through the
+// engine and sends its output on, as run does.
+func (l *link) forward(step uint64, b, local *stage.Batch, alone bool) error {
+	out, err := l.s.cfg.Engine.Forward(l.ctx, local)
 	if err != nil {
 		if l.ctx.Err() != nil {
 			return context.Cause(l.ctx)
@@ -549,6 +626,7 @@ func (l *link) run(step uint64, b *stage.Batch) error {
 			return l.stepFailed(step, err)
 		}
 		for _, f := range frames {
+			f.GetActivations().Alone = alone
 			if err := l.emit(f); err != nil {
 				return err
 			}
@@ -688,6 +766,7 @@ func (l *link) finish(err error) error {
 	l.release()
 	if err == nil {
 		l.drain(nil)
+		l.closeHandoff()
 		return nil
 	}
 	var fl *failure
@@ -720,6 +799,7 @@ func (l *link) finish(err error) error {
 	} else {
 		l.drain(last)
 	}
+	l.closeHandoff()
 	code := fl.code
 	if code == codes.OK {
 		code = statusCode(fl.err)

@@ -542,6 +542,12 @@ func (p *Pipeline) send(c *Call, f *meshnodev1.Frame) error {
 	p.nextStep++
 	f.Step = c.step
 	c.since = time.Now()
+	if t := f.GetTokens(); t != nil {
+		// No other batch in flight: the stages may hand this one's hidden
+		// states over through a buffer between them (handoff.go), which
+		// nothing else can be using.
+		t.Alone = !slices.ContainsFunc(p.pending, func(o *Call) bool { return o.kind == callBatch })
+	}
 	p.pending = append(p.pending, c)
 	p.mu.Unlock()
 	if err := p.fwd.Send(f); err != nil && !errors.Is(err, io.EOF) {

@@ -53,8 +53,12 @@ type ServerConfig struct {
 	// Vocab gives the model's token texts, which a last stage needs to
 	// keep a sequence's output JSON (sample.Params.JSON); nil refuses
 	// such sequences. It is called when one opens.
-	Vocab  func() (*sample.Vocab, error)
-	Logger *zap.Logger
+	Vocab func() (*sample.Vocab, error)
+	// DeviceHandoff lets the engine hand hidden states to the next stage
+	// of a pipeline on their shared GPU, where both stages' engines can
+	// (HandoffEngine, handoff.go).
+	DeviceHandoff bool
+	Logger        *zap.Logger
 }
 
 // Server serves StageService over one engine, for any number of pipelines

@@ -80,8 +80,8 @@ func tokensOrNil(t []int32) []int32 {
 
 // DecodeBatch validates an activations frame against lim and returns it as
 // a batch for a stage that does not own layer 0. Hidden keeps the wire
-// dtype; Tokens holds the rows' token ids when the frame carries them (nil
-// otherwise). Hidden.Data, Pos and Tokens alias the frame. The frame's more
+// dtype, and is nil for hidden states on the device (on_device); Tokens
+// holds the rows' token ids when the frame carries them (nil otherwise). Hidden.Data, Pos and Tokens alias the frame. The frame's more
 // flag is the caller's business: it says a batch was split, not what a part
 // holds.
 func DecodeBatch(f *meshnodev1.Frame, lim Limits) (*stage.Batch, error) {
@@ -118,6 +118,17 @@ func decodeActivations(a *meshnodev1.Activations, lim Limits) (*stage.Batch, err
 	if !ok || want > uint64(lim.MaxPayload) {
 		return nil, fmt.Errorf("shape [%d,%d] %s is over the payload limit of %d bytes", rows, cols, dt, lim.MaxPayload)
 	}
+	if a.GetOnDevice() {
+		switch {
+		case len(a.GetPayload()) != 0:
+			return nil, fmt.Errorf("hidden states on the device with %d payload bytes", len(a.GetPayload()))
+		case !a.GetAlone():
+			return nil, errors.New("hidden states on the device of a batch not alone in flight")
+		case a.GetMore():
+			return nil, errors.New("hidden states on the device in a split batch")
+		}
+		want = 0
+	}
 	if uint64(len(a.GetPayload())) != want {
 		return nil, fmt.Errorf("shape [%d,%d] %s needs %d payload bytes, got %d", rows, cols, dt, want, len(a.GetPayload()))
 	}
@@ -132,18 +143,57 @@ func decodeActivations(a *meshnodev1.Activations, lim Limits) (*stage.Batch, err
 	if err := checkTokenIDs(ids, lim.MaxVocab); err != nil {
 		return nil, err
 	}
-	return &stage.Batch{
-		Seqs:   seqsFromProto(a.GetSeqIds()),
-		Pos:    a.GetPositions(),
-		Tokens: tokensOrNil(ids),
-		Hidden: &stage.Activation{
-			DType: dt,
-			Rows:  int(rows),
-			Cols:  int(cols),
-			Data:  a.GetPayload(),
-		},
+	b := &stage.Batch{
+		Seqs:    seqsFromProto(a.GetSeqIds()),
+		Pos:     a.GetPositions(),
+		Tokens:  tokensOrNil(ids),
 		Outputs: outputsFromProto(a.GetOutputRows()),
+	}
+	if !a.GetOnDevice() {
+		b.Hidden = &stage.Activation{DType: dt, Rows: int(rows), Cols: int(cols), Data: a.GetPayload()}
+	}
+	return b, nil
+}
+
+// EncodeOnDevice builds an activations frame of a batch whose hidden
+// states (rows × cols f32) lie in the device buffer between two stages
+// (Activations.on_device): b's sequence ids, positions, token ids and
+// output rows travel, b.Hidden is ignored. The frame aliases b.Pos and
+// b.Tokens.
+func EncodeOnDevice(step uint64, b *stage.Batch, cols int) (*meshnodev1.Frame, error) {
+	if b == nil {
+		return nil, badBatch("nil batch")
+	}
+	if err := checkBatchRows(b); err != nil {
+		return nil, err
+	}
+	if cols <= 0 || cols > math.MaxInt32 {
+		return nil, badBatch("%d columns", cols)
+	}
+	if len(b.Tokens) != 0 && len(b.Tokens) != len(b.Seqs) {
+		return nil, badBatch("%d rows but %d token ids", len(b.Seqs), len(b.Tokens))
+	}
+	return &meshnodev1.Frame{
+		Version: Version,
+		Step:    step,
+		Body: &meshnodev1.Frame_Activations{Activations: &meshnodev1.Activations{
+			SeqIds:     seqsToProto(b.Seqs),
+			Positions:  b.Pos,
+			Dtype:      DTypeToProto(stage.F32),
+			Rows:       uint32(len(b.Seqs)),
+			Cols:       uint32(cols),
+			OutputRows: outputsToProto(b.Outputs),
+			TokenIds:   tokensOrNil(b.Tokens),
+			Alone:      true,
+			OnDevice:   true,
+		}},
 	}, nil
+}
+
+// EncodeHanded builds the frame that confirms step's hidden states on the
+// device (Activations.on_device) are written.
+func EncodeHanded(step uint64) *meshnodev1.Frame {
+	return &meshnodev1.Frame{Version: Version, Step: step, Body: &meshnodev1.Frame_Handed{Handed: &meshnodev1.Handed{}}}
 }
 
 // EncodeTokens builds a tokens frame from b's sequence ids, positions,

@@ -45,7 +45,7 @@ func AppendHead(dst []byte, f *meshnodev1.Frame) (head, payload []byte, err erro
 	rest := &meshnodev1.Frame{Version: f.GetVersion(), Step: f.GetStep()}
 	body := &meshnodev1.Activations{
 		SeqIds: a.GetSeqIds(), Positions: a.GetPositions(), Dtype: a.GetDtype(), Rows: a.GetRows(), Cols: a.GetCols(),
-		OutputRows: a.GetOutputRows(), TokenIds: a.GetTokenIds(), More: a.GetMore(),
+		OutputRows: a.GetOutputRows(), TokenIds: a.GetTokenIds(), More: a.GetMore(), Alone: a.GetAlone(), OnDevice: a.GetOnDevice(),
 	}
 	if u := f.ProtoReflect().GetUnknown(); len(u) > 0 {
 		rest.ProtoReflect().SetUnknown(u)

@@ -11,9 +11,10 @@ import (
 // Bounds on a Setup, so that a peer cannot make a stage hold or dial
 // without limit.
 const (
-	MaxRouteHops  = 64  // stages in one route
-	MaxPipelineID = 128 // bytes
-	MaxPeerName   = 256 // bytes of a peer id or address (origin included)
+	MaxRouteHops  = 64   // stages in one route
+	MaxPipelineID = 128  // bytes
+	MaxPeerName   = 256  // bytes of a peer id or address (origin included)
+	MaxHandoff    = 1024 // bytes of a hand-off offer (Setup.Handoff)
 )
 
 // Role is what a pipeline's stream is for.
@@ -58,6 +59,11 @@ type Setup struct {
 	Hop          int
 	WireDType    stage.DType
 	ReturnLogits bool
+	// Handoff is the previous hop's offer of a hand-off on a shared GPU
+	// (engine-defined handles); HandoffTaken, in the receiver's answer,
+	// says it opened them. See proto/meshnode/v1/stage.proto.
+	Handoff      []byte
+	HandoffTaken bool
 }
 
 // Layers is the model's layer count that the route covers.
@@ -97,6 +103,10 @@ func (s *Setup) check() error {
 		return fmt.Errorf("unknown wire dtype %d", uint8(s.WireDType))
 	case s.Role == RoleReturn && !s.Last():
 		return fmt.Errorf("return stream to hop %d, not the last of %d", s.Hop, len(s.Route))
+	case len(s.Handoff) > MaxHandoff:
+		return fmt.Errorf("hand-off offer of %d bytes, over %d", len(s.Handoff), MaxHandoff)
+	case s.Handoff != nil && s.Role != RoleForward:
+		return fmt.Errorf("hand-off offer on a %s stream", s.Role)
 	}
 	next := 0
 	for i, h := range s.Route {
@@ -130,6 +140,8 @@ func EncodeSetup(s Setup) (*meshnodev1.Frame, error) {
 		Hop:          uint32(s.Hop),
 		WireDtype:    DTypeToProto(s.WireDType),
 		ReturnLogits: s.ReturnLogits,
+		Handoff:      s.Handoff,
+		HandoffTaken: s.HandoffTaken,
 	}
 	for _, h := range s.Route {
 		ps.Route = append(ps.Route, &meshnodev1.Hop{
@@ -155,6 +167,11 @@ func DecodeSetup(f *meshnodev1.Frame) (Setup, error) {
 		PipelineID:   ps.GetPipelineId(),
 		Origin:       ps.GetOrigin(),
 		ReturnLogits: ps.GetReturnLogits(),
+		Handoff:      ps.GetHandoff(),
+		HandoffTaken: ps.GetHandoffTaken(),
+	}
+	if len(s.Handoff) == 0 {
+		s.Handoff = nil
 	}
 	err := func() error {
 		switch ps.GetRole() {

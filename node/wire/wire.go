@@ -113,7 +113,7 @@ func checkFrame(f *meshnodev1.Frame) error {
 }
 
 // BodyKind names a frame's body for errors and logs: "activations",
-// "tokens", "logits", "control", "error", "setup", or "empty" when none is
+// "tokens", "logits", "control", "error", "setup", "handed", or "empty" when none is
 // set (also what a body kind newer than this code looks like).
 func BodyKind(f *meshnodev1.Frame) string {
 	switch f.GetBody().(type) {
@@ -129,6 +129,8 @@ func BodyKind(f *meshnodev1.Frame) string {
 		return "error"
 	case *meshnodev1.Frame_Setup:
 		return "setup"
+	case *meshnodev1.Frame_Handed:
+		return "handed"
 	}
 	return "empty"
 }

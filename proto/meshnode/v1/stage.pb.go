@@ -222,7 +222,7 @@ func (x SeqControl_Op) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use SeqControl_Op.Descriptor instead.
 func (SeqControl_Op) EnumDescriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{7, 0}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{8, 0}
 }
 
 type Error_Code int32
@@ -294,7 +294,7 @@ func (x Error_Code) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Error_Code.Descriptor instead.
 func (Error_Code) EnumDescriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{9, 0}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{10, 0}
 }
 
 // Frame is the unit of a Forward stream.
@@ -317,6 +317,7 @@ type Frame struct {
 	//	*Frame_Control
 	//	*Frame_Error
 	//	*Frame_Setup
+	//	*Frame_Handed
 	Body          isFrame_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -427,6 +428,15 @@ func (x *Frame) GetSetup() *Setup {
 	return nil
 }
 
+func (x *Frame) GetHanded() *Handed {
+	if x != nil {
+		if x, ok := x.Body.(*Frame_Handed); ok {
+			return x.Handed
+		}
+	}
+	return nil
+}
+
 type isFrame_Body interface {
 	isFrame_Body()
 }
@@ -461,6 +471,12 @@ type Frame_Setup struct {
 	Setup *Setup `protobuf:"bytes,15,opt,name=setup,proto3,oneof"`
 }
 
+type Frame_Handed struct {
+	// The hidden states of an Activations frame with on_device set are
+	// written: the previous stage's pass went well.
+	Handed *Handed `protobuf:"bytes,16,opt,name=handed,proto3,oneof"`
+}
+
 func (*Frame_Activations) isFrame_Body() {}
 
 func (*Frame_Tokens) isFrame_Body() {}
@@ -472,6 +488,8 @@ func (*Frame_Control) isFrame_Body() {}
 func (*Frame_Error) isFrame_Body() {}
 
 func (*Frame_Setup) isFrame_Body() {}
+
+func (*Frame_Handed) isFrame_Body() {}
 
 // Setup starts a pipeline on a Forward stream. A stage checks that the hop
 // it is named as matches the layers it holds, and rejects a pipeline id it
@@ -494,7 +512,16 @@ type Setup struct {
 	WireDtype DType `protobuf:"varint,6,opt,name=wire_dtype,json=wireDtype,proto3,enum=meshnode.v1.DType" json:"wire_dtype,omitempty"`
 	// Tests and debugging: the last stage sends a Logits frame before each
 	// step's sampled Tokens (when the step has output rows).
-	ReturnLogits  bool `protobuf:"varint,7,opt,name=return_logits,json=returnLogits,proto3" json:"return_logits,omitempty"`
+	ReturnLogits bool `protobuf:"varint,7,opt,name=return_logits,json=returnLogits,proto3" json:"return_logits,omitempty"`
+	// Set by the previous hop on a local stream, whose engine shares a GPU
+	// with the receiver's: the handles of a buffer and an event of that GPU
+	// (engine-defined bytes, at most 1 KiB) through which it offers to hand
+	// its hidden states over on the device. The receiver answers with a
+	// Setup frame whose handoff_taken says whether it opened them; until
+	// then the previous hop sends nothing more.
+	Handoff []byte `protobuf:"bytes,8,opt,name=handoff,proto3" json:"handoff,omitempty"`
+	// In that answer only.
+	HandoffTaken  bool `protobuf:"varint,9,opt,name=handoff_taken,json=handoffTaken,proto3" json:"handoff_taken,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -574,6 +601,20 @@ func (x *Setup) GetWireDtype() DType {
 func (x *Setup) GetReturnLogits() bool {
 	if x != nil {
 		return x.ReturnLogits
+	}
+	return false
+}
+
+func (x *Setup) GetHandoff() []byte {
+	if x != nil {
+		return x.Handoff
+	}
+	return nil
+}
+
+func (x *Setup) GetHandoffTaken() bool {
+	if x != nil {
+		return x.HandoffTaken
 	}
 	return false
 }
@@ -682,7 +723,14 @@ type Activations struct {
 	// their own frame. (Only pipelines started with Setup split, and a peer
 	// that predates Setup rejects that first frame, so no peer misreads a
 	// part as a whole batch.)
-	More          bool `protobuf:"varint,9,opt,name=more,proto3" json:"more,omitempty"`
+	More bool `protobuf:"varint,9,opt,name=more,proto3" json:"more,omitempty"`
+	// As Tokens.alone.
+	Alone bool `protobuf:"varint,10,opt,name=alone,proto3" json:"alone,omitempty"`
+	// The hidden states are not in payload (which is empty) but in the
+	// device buffer that the previous hop offered in its Setup; a Handed
+	// frame of the same step says when they are written (or an Error frame
+	// that they never will be). Only with alone.
+	OnDevice      bool `protobuf:"varint,11,opt,name=on_device,json=onDevice,proto3" json:"on_device,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -780,6 +828,20 @@ func (x *Activations) GetMore() bool {
 	return false
 }
 
+func (x *Activations) GetAlone() bool {
+	if x != nil {
+		return x.Alone
+	}
+	return false
+}
+
+func (x *Activations) GetOnDevice() bool {
+	if x != nil {
+		return x.OnDevice
+	}
+	return false
+}
+
 // Tokens are token ids, one per row. Into the first stage they are a batch
 // to run (seq_ids, positions, token_ids and output_rows as in Activations).
 // From the last stage back to the origin they are the sampled tokens: one
@@ -800,7 +862,10 @@ type Tokens struct {
 	// From the last stage, when a row's sequence asked for them
 	// (Sampling.logprobs): empty, or one per row (empty for the rows whose
 	// sequence did not ask).
-	Logprobs      []*TokenLogprob `protobuf:"bytes,5,rep,name=logprobs,proto3" json:"logprobs,omitempty"`
+	Logprobs []*TokenLogprob `protobuf:"bytes,5,rep,name=logprobs,proto3" json:"logprobs,omitempty"`
+	// Input only: no earlier batch of the pipeline is still in flight, so
+	// that the stages may reuse a buffer between them for this one.
+	Alone         bool `protobuf:"varint,6,opt,name=alone,proto3" json:"alone,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -870,6 +935,50 @@ func (x *Tokens) GetLogprobs() []*TokenLogprob {
 	return nil
 }
 
+func (x *Tokens) GetAlone() bool {
+	if x != nil {
+		return x.Alone
+	}
+	return false
+}
+
+// Handed confirms an Activations frame with on_device.
+type Handed struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Handed) Reset() {
+	*x = Handed{}
+	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Handed) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Handed) ProtoMessage() {}
+
+func (x *Handed) ProtoReflect() protoreflect.Message {
+	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Handed.ProtoReflect.Descriptor instead.
+func (*Handed) Descriptor() ([]byte, []int) {
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{5}
+}
+
 // TokenLogprob is a sampled token's log-probability in the softmax of the
 // raw logits (before penalties, temperature and filters), and the
 // likeliest tokens with theirs, best first.
@@ -886,7 +995,7 @@ type TokenLogprob struct {
 
 func (x *TokenLogprob) Reset() {
 	*x = TokenLogprob{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -898,7 +1007,7 @@ func (x *TokenLogprob) String() string {
 func (*TokenLogprob) ProtoMessage() {}
 
 func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[5]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -911,7 +1020,7 @@ func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenLogprob.ProtoReflect.Descriptor instead.
 func (*TokenLogprob) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{5}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *TokenLogprob) GetLogprob() float32 {
@@ -950,7 +1059,7 @@ type Logits struct {
 
 func (x *Logits) Reset() {
 	*x = Logits{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -962,7 +1071,7 @@ func (x *Logits) String() string {
 func (*Logits) ProtoMessage() {}
 
 func (x *Logits) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[6]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -975,7 +1084,7 @@ func (x *Logits) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Logits.ProtoReflect.Descriptor instead.
 func (*Logits) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{6}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Logits) GetRows() uint32 {
@@ -1021,7 +1130,7 @@ type SeqControl struct {
 
 func (x *SeqControl) Reset() {
 	*x = SeqControl{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1033,7 +1142,7 @@ func (x *SeqControl) String() string {
 func (*SeqControl) ProtoMessage() {}
 
 func (x *SeqControl) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[7]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1046,7 +1155,7 @@ func (x *SeqControl) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SeqControl.ProtoReflect.Descriptor instead.
 func (*SeqControl) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{7}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *SeqControl) GetOp() SeqControl_Op {
@@ -1128,7 +1237,7 @@ type Sampling struct {
 
 func (x *Sampling) Reset() {
 	*x = Sampling{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1140,7 +1249,7 @@ func (x *Sampling) String() string {
 func (*Sampling) ProtoMessage() {}
 
 func (x *Sampling) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[8]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1153,7 +1262,7 @@ func (x *Sampling) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sampling.ProtoReflect.Descriptor instead.
 func (*Sampling) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{8}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Sampling) GetTemperature() float32 {
@@ -1277,7 +1386,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[9]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1289,7 +1398,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[9]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1302,7 +1411,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{9}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Error) GetCode() Error_Code {
@@ -1335,7 +1444,7 @@ type InfoRequest struct {
 
 func (x *InfoRequest) Reset() {
 	*x = InfoRequest{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[10]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1347,7 +1456,7 @@ func (x *InfoRequest) String() string {
 func (*InfoRequest) ProtoMessage() {}
 
 func (x *InfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[10]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1360,7 +1469,7 @@ func (x *InfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InfoRequest.ProtoReflect.Descriptor instead.
 func (*InfoRequest) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{10}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{11}
 }
 
 // StageInfo describes a stage: the model and layer range it holds and how
@@ -1402,7 +1511,7 @@ type StageInfo struct {
 
 func (x *StageInfo) Reset() {
 	*x = StageInfo{}
-	mi := &file_meshnode_v1_stage_proto_msgTypes[11]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1414,7 +1523,7 @@ func (x *StageInfo) String() string {
 func (*StageInfo) ProtoMessage() {}
 
 func (x *StageInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_meshnode_v1_stage_proto_msgTypes[11]
+	mi := &file_meshnode_v1_stage_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1427,7 +1536,7 @@ func (x *StageInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageInfo.ProtoReflect.Descriptor instead.
 func (*StageInfo) Descriptor() ([]byte, []int) {
-	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{11}
+	return file_meshnode_v1_stage_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *StageInfo) GetArch() string {
@@ -1539,7 +1648,7 @@ var File_meshnode_v1_stage_proto protoreflect.FileDescriptor
 
 const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\n" +
-	"\x17meshnode/v1/stage.proto\x12\vmeshnode.v1\"\xe6\x02\n" +
+	"\x17meshnode/v1/stage.proto\x12\vmeshnode.v1\"\x95\x03\n" +
 	"\x05Frame\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x04R\x04step\x12<\n" +
@@ -1549,8 +1658,9 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\x06logits\x18\f \x01(\v2\x13.meshnode.v1.LogitsH\x00R\x06logits\x123\n" +
 	"\acontrol\x18\r \x01(\v2\x17.meshnode.v1.SeqControlH\x00R\acontrol\x12*\n" +
 	"\x05error\x18\x0e \x01(\v2\x12.meshnode.v1.ErrorH\x00R\x05error\x12*\n" +
-	"\x05setup\x18\x0f \x01(\v2\x12.meshnode.v1.SetupH\x00R\x05setupB\x06\n" +
-	"\x04body\"\xc0\x02\n" +
+	"\x05setup\x18\x0f \x01(\v2\x12.meshnode.v1.SetupH\x00R\x05setup\x12-\n" +
+	"\x06handed\x18\x10 \x01(\v2\x13.meshnode.v1.HandedH\x00R\x06handedB\x06\n" +
+	"\x04body\"\xff\x02\n" +
 	"\x05Setup\x12+\n" +
 	"\x04role\x18\x01 \x01(\x0e2\x17.meshnode.v1.Setup.RoleR\x04role\x12\x1f\n" +
 	"\vpipeline_id\x18\x02 \x01(\tR\n" +
@@ -1560,7 +1670,9 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\x03hop\x18\x05 \x01(\rR\x03hop\x121\n" +
 	"\n" +
 	"wire_dtype\x18\x06 \x01(\x0e2\x12.meshnode.v1.DTypeR\twireDtype\x12#\n" +
-	"\rreturn_logits\x18\a \x01(\bR\freturnLogits\"?\n" +
+	"\rreturn_logits\x18\a \x01(\bR\freturnLogits\x12\x18\n" +
+	"\ahandoff\x18\b \x01(\fR\ahandoff\x12#\n" +
+	"\rhandoff_taken\x18\t \x01(\bR\fhandoffTaken\"?\n" +
 	"\x04Role\x12\x14\n" +
 	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n" +
 	"\fROLE_FORWARD\x10\x01\x12\x0f\n" +
@@ -1569,7 +1681,7 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\x04peer\x18\x01 \x01(\tR\x04peer\x12\x14\n" +
 	"\x05start\x18\x02 \x01(\rR\x05start\x12\x10\n" +
 	"\x03end\x18\x03 \x01(\rR\x03end\x12&\n" +
-	"\x0fmax_frame_bytes\x18\x04 \x01(\x04R\rmaxFrameBytes\"\x82\x02\n" +
+	"\x0fmax_frame_bytes\x18\x04 \x01(\x04R\rmaxFrameBytes\"\xb5\x02\n" +
 	"\vActivations\x12\x17\n" +
 	"\aseq_ids\x18\x01 \x03(\x04R\x06seqIds\x12\x1c\n" +
 	"\tpositions\x18\x02 \x03(\x05R\tpositions\x12(\n" +
@@ -1580,14 +1692,19 @@ const file_meshnode_v1_stage_proto_rawDesc = "" +
 	"\voutput_rows\x18\a \x03(\rR\n" +
 	"outputRows\x12\x1b\n" +
 	"\ttoken_ids\x18\b \x03(\x05R\btokenIds\x12\x12\n" +
-	"\x04more\x18\t \x01(\bR\x04more\"\xb4\x01\n" +
+	"\x04more\x18\t \x01(\bR\x04more\x12\x14\n" +
+	"\x05alone\x18\n" +
+	" \x01(\bR\x05alone\x12\x1b\n" +
+	"\ton_device\x18\v \x01(\bR\bonDevice\"\xca\x01\n" +
 	"\x06Tokens\x12\x17\n" +
 	"\aseq_ids\x18\x01 \x03(\x04R\x06seqIds\x12\x1c\n" +
 	"\tpositions\x18\x02 \x03(\x05R\tpositions\x12\x1b\n" +
 	"\ttoken_ids\x18\x03 \x03(\x05R\btokenIds\x12\x1f\n" +
 	"\voutput_rows\x18\x04 \x03(\rR\n" +
 	"outputRows\x125\n" +
-	"\blogprobs\x18\x05 \x03(\v2\x19.meshnode.v1.TokenLogprobR\blogprobs\"o\n" +
+	"\blogprobs\x18\x05 \x03(\v2\x19.meshnode.v1.TokenLogprobR\blogprobs\x12\x14\n" +
+	"\x05alone\x18\x06 \x01(\bR\x05alone\"\b\n" +
+	"\x06Handed\"o\n" +
 	"\fTokenLogprob\x12\x18\n" +
 	"\alogprob\x18\x01 \x01(\x02R\alogprob\x12\"\n" +
 	"\rtop_token_ids\x18\x02 \x03(\x05R\vtopTokenIds\x12!\n" +
@@ -1684,7 +1801,7 @@ func file_meshnode_v1_stage_proto_rawDescGZIP() []byte {
 }
 
 var file_meshnode_v1_stage_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_meshnode_v1_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_meshnode_v1_stage_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_meshnode_v1_stage_proto_goTypes = []any{
 	(DType)(0),           // 0: meshnode.v1.DType
 	(Setup_Role)(0),      // 1: meshnode.v1.Setup.Role
@@ -1695,39 +1812,41 @@ var file_meshnode_v1_stage_proto_goTypes = []any{
 	(*Hop)(nil),          // 6: meshnode.v1.Hop
 	(*Activations)(nil),  // 7: meshnode.v1.Activations
 	(*Tokens)(nil),       // 8: meshnode.v1.Tokens
-	(*TokenLogprob)(nil), // 9: meshnode.v1.TokenLogprob
-	(*Logits)(nil),       // 10: meshnode.v1.Logits
-	(*SeqControl)(nil),   // 11: meshnode.v1.SeqControl
-	(*Sampling)(nil),     // 12: meshnode.v1.Sampling
-	(*Error)(nil),        // 13: meshnode.v1.Error
-	(*InfoRequest)(nil),  // 14: meshnode.v1.InfoRequest
-	(*StageInfo)(nil),    // 15: meshnode.v1.StageInfo
+	(*Handed)(nil),       // 9: meshnode.v1.Handed
+	(*TokenLogprob)(nil), // 10: meshnode.v1.TokenLogprob
+	(*Logits)(nil),       // 11: meshnode.v1.Logits
+	(*SeqControl)(nil),   // 12: meshnode.v1.SeqControl
+	(*Sampling)(nil),     // 13: meshnode.v1.Sampling
+	(*Error)(nil),        // 14: meshnode.v1.Error
+	(*InfoRequest)(nil),  // 15: meshnode.v1.InfoRequest
+	(*StageInfo)(nil),    // 16: meshnode.v1.StageInfo
 }
 var file_meshnode_v1_stage_proto_depIdxs = []int32{
 	7,  // 0: meshnode.v1.Frame.activations:type_name -> meshnode.v1.Activations
 	8,  // 1: meshnode.v1.Frame.tokens:type_name -> meshnode.v1.Tokens
-	10, // 2: meshnode.v1.Frame.logits:type_name -> meshnode.v1.Logits
-	11, // 3: meshnode.v1.Frame.control:type_name -> meshnode.v1.SeqControl
-	13, // 4: meshnode.v1.Frame.error:type_name -> meshnode.v1.Error
+	11, // 2: meshnode.v1.Frame.logits:type_name -> meshnode.v1.Logits
+	12, // 3: meshnode.v1.Frame.control:type_name -> meshnode.v1.SeqControl
+	14, // 4: meshnode.v1.Frame.error:type_name -> meshnode.v1.Error
 	5,  // 5: meshnode.v1.Frame.setup:type_name -> meshnode.v1.Setup
-	1,  // 6: meshnode.v1.Setup.role:type_name -> meshnode.v1.Setup.Role
-	6,  // 7: meshnode.v1.Setup.route:type_name -> meshnode.v1.Hop
-	0,  // 8: meshnode.v1.Setup.wire_dtype:type_name -> meshnode.v1.DType
-	0,  // 9: meshnode.v1.Activations.dtype:type_name -> meshnode.v1.DType
-	9,  // 10: meshnode.v1.Tokens.logprobs:type_name -> meshnode.v1.TokenLogprob
-	2,  // 11: meshnode.v1.SeqControl.op:type_name -> meshnode.v1.SeqControl.Op
-	12, // 12: meshnode.v1.SeqControl.sampling:type_name -> meshnode.v1.Sampling
-	3,  // 13: meshnode.v1.Error.code:type_name -> meshnode.v1.Error.Code
-	0,  // 14: meshnode.v1.StageInfo.wire_dtype:type_name -> meshnode.v1.DType
-	4,  // 15: meshnode.v1.StageService.Forward:input_type -> meshnode.v1.Frame
-	14, // 16: meshnode.v1.StageService.Info:input_type -> meshnode.v1.InfoRequest
-	4,  // 17: meshnode.v1.StageService.Forward:output_type -> meshnode.v1.Frame
-	15, // 18: meshnode.v1.StageService.Info:output_type -> meshnode.v1.StageInfo
-	17, // [17:19] is the sub-list for method output_type
-	15, // [15:17] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	9,  // 6: meshnode.v1.Frame.handed:type_name -> meshnode.v1.Handed
+	1,  // 7: meshnode.v1.Setup.role:type_name -> meshnode.v1.Setup.Role
+	6,  // 8: meshnode.v1.Setup.route:type_name -> meshnode.v1.Hop
+	0,  // 9: meshnode.v1.Setup.wire_dtype:type_name -> meshnode.v1.DType
+	0,  // 10: meshnode.v1.Activations.dtype:type_name -> meshnode.v1.DType
+	10, // 11: meshnode.v1.Tokens.logprobs:type_name -> meshnode.v1.TokenLogprob
+	2,  // 12: meshnode.v1.SeqControl.op:type_name -> meshnode.v1.SeqControl.Op
+	13, // 13: meshnode.v1.SeqControl.sampling:type_name -> meshnode.v1.Sampling
+	3,  // 14: meshnode.v1.Error.code:type_name -> meshnode.v1.Error.Code
+	0,  // 15: meshnode.v1.StageInfo.wire_dtype:type_name -> meshnode.v1.DType
+	4,  // 16: meshnode.v1.StageService.Forward:input_type -> meshnode.v1.Frame
+	15, // 17: meshnode.v1.StageService.Info:input_type -> meshnode.v1.InfoRequest
+	4,  // 18: meshnode.v1.StageService.Forward:output_type -> meshnode.v1.Frame
+	16, // 19: meshnode.v1.StageService.Info:output_type -> meshnode.v1.StageInfo
+	18, // [18:20] is the sub-list for method output_type
+	16, // [16:18] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_meshnode_v1_stage_proto_init() }
@@ -1742,15 +1861,16 @@ func file_meshnode_v1_stage_proto_init() {
 		(*Frame_Control)(nil),
 		(*Frame_Error)(nil),
 		(*Frame_Setup)(nil),
+		(*Frame_Handed)(nil),
 	}
-	file_meshnode_v1_stage_proto_msgTypes[9].OneofWrappers = []any{}
+	file_meshnode_v1_stage_proto_msgTypes[10].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_meshnode_v1_stage_proto_rawDesc), len(file_meshnode_v1_stage_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   12,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
