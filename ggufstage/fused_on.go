@@ -31,6 +31,21 @@ static meshnode_mf_device_copy_fn meshnode_mf_device_copy; // NULL in a library 
 static meshnode_mf_device_free_fn meshnode_mf_device_free;
 static meshnode_mf_queue_picks_fn meshnode_mf_queue_picks; // NULL in a library built before them
 static meshnode_mf_wait_picks_fn meshnode_mf_wait_picks;
+typedef int (*meshnode_mf_launch_rows_fn)(mf_engine *, int, const int *, const float *, const float *, void *, const int *, const int *, const int32_t *, const int *, float *, void *, char *, int);
+typedef int (*meshnode_mf_finish_rows_fn)(mf_engine *, int *, float *, char *, int);
+typedef int (*meshnode_mf_handoff_export_fn)(const void *, size_t, float **, void **, void *, void *, char *, char *, int);
+typedef int (*meshnode_mf_handoff_import_fn)(const void *, const void *, const void *, const char *, float **, void **, char *, int);
+typedef void (*meshnode_mf_handoff_close_fn)(const void *, float *, void *, int);
+typedef int (*meshnode_mf_event_wait_fn)(void *, int, char *, int);
+typedef int (*meshnode_mf_handoff_read_fn)(const void *, const float *, void *, size_t, float *, int, char *, int);
+// NULL in a library built before hand-offs between processes.
+static meshnode_mf_launch_rows_fn meshnode_mf_launch_rows;
+static meshnode_mf_finish_rows_fn meshnode_mf_finish_rows;
+static meshnode_mf_handoff_export_fn meshnode_mf_handoff_export;
+static meshnode_mf_handoff_import_fn meshnode_mf_handoff_import;
+static meshnode_mf_handoff_close_fn meshnode_mf_handoff_close;
+static meshnode_mf_event_wait_fn meshnode_mf_event_wait;
+static meshnode_mf_handoff_read_fn meshnode_mf_handoff_read;
 
 // meshnode_mf_load opens the fused-path library: NULL, or why not.
 static const char *meshnode_mf_load(const char *path) {
@@ -46,6 +61,13 @@ static const char *meshnode_mf_load(const char *path) {
 	meshnode_mf_device_free = (meshnode_mf_device_free_fn) dlsym(h, "mf_device_free");
 	meshnode_mf_queue_picks = (meshnode_mf_queue_picks_fn) dlsym(h, "mf_queue_picks");
 	meshnode_mf_wait_picks = (meshnode_mf_wait_picks_fn) dlsym(h, "mf_wait_picks");
+	meshnode_mf_launch_rows = (meshnode_mf_launch_rows_fn) dlsym(h, "mf_launch_rows");
+	meshnode_mf_finish_rows = (meshnode_mf_finish_rows_fn) dlsym(h, "mf_finish_rows");
+	meshnode_mf_handoff_export = (meshnode_mf_handoff_export_fn) dlsym(h, "mf_handoff_export");
+	meshnode_mf_handoff_import = (meshnode_mf_handoff_import_fn) dlsym(h, "mf_handoff_import");
+	meshnode_mf_handoff_close = (meshnode_mf_handoff_close_fn) dlsym(h, "mf_handoff_close");
+	meshnode_mf_event_wait = (meshnode_mf_event_wait_fn) dlsym(h, "mf_event_wait");
+	meshnode_mf_handoff_read = (meshnode_mf_handoff_read_fn) dlsym(h, "mf_handoff_read");
 	if (!meshnode_mf_create || !meshnode_mf_step_rows_picks || !meshnode_mf_max_rows || !meshnode_mf_destroy || !meshnode_mf_host_alloc || !meshnode_mf_host_free)
 		return "the library lacks mf_create, mf_step_rows_picks, mf_max_rows, mf_destroy, mf_host_alloc or mf_host_free (built before meshnode's greedy picks?): rebuild it with deploy/gpu/build-cuda.sh";
 	return NULL;
@@ -61,6 +83,25 @@ static int meshnode_mf_queue_picks_call(mf_engine *e, int rows, const int *token
 }
 static int meshnode_mf_wait_picks_call(mf_engine *e, int *picks, char *err, int errlen) { return meshnode_mf_wait_picks(e, picks, err, errlen); }
 static int meshnode_mf_max_rows_call(mf_engine *e) { return meshnode_mf_max_rows(e); }
+static int meshnode_mf_can_handoff(void) {
+	return meshnode_mf_launch_rows && meshnode_mf_finish_rows && meshnode_mf_handoff_export && meshnode_mf_handoff_import &&
+	       meshnode_mf_handoff_close && meshnode_mf_event_wait && meshnode_mf_handoff_read;
+}
+static int meshnode_mf_launch_rows_call(mf_engine *e, int rows, const int *tokens, const float *hidden, const float *in_dev, void *after, const int *pos, const int *loc, const int32_t *cells, const int *ncells, float *out_dev, void *done, char *err, int errlen) {
+	return meshnode_mf_launch_rows(e, rows, tokens, hidden, in_dev, after, pos, loc, cells, ncells, out_dev, done, err, errlen);
+}
+static int meshnode_mf_finish_rows_call(mf_engine *e, int *picks, char *err, int errlen) { return meshnode_mf_finish_rows(e, picks, NULL, err, errlen); }
+static int meshnode_mf_handoff_export_call(const void *like, size_t n, float **buf, void **ev, void *mem, void *evh, char *bus, char *err, int errlen) {
+	return meshnode_mf_handoff_export(like, n, buf, ev, mem, evh, bus, err, errlen);
+}
+static int meshnode_mf_handoff_import_call(const void *like, const void *mem, const void *evh, const char *bus, float **buf, void **ev, char *err, int errlen) {
+	return meshnode_mf_handoff_import(like, mem, evh, bus, buf, ev, err, errlen);
+}
+static void meshnode_mf_handoff_close_call(const void *like, float *buf, void *ev, int imported) { meshnode_mf_handoff_close(like, buf, ev, imported); }
+static int meshnode_mf_event_wait_call(void *ev, int timeout_ms, char *err, int errlen) { return meshnode_mf_event_wait(ev, timeout_ms, err, errlen); }
+static int meshnode_mf_handoff_read_call(const void *like, const float *buf, void *ev, size_t n, float *host, int timeout_ms, char *err, int errlen) {
+	return meshnode_mf_handoff_read(like, buf, ev, n, host, timeout_ms, err, errlen);
+}
 static void meshnode_mf_destroy_call(mf_engine *e) { meshnode_mf_destroy(e); }
 static float *meshnode_mf_host_alloc_call(size_t n) { return meshnode_mf_host_alloc(n); }
 static void meshnode_mf_host_free_call(float *p) { meshnode_mf_host_free(p); }
@@ -102,6 +143,8 @@ static void *meshnode_device_data(void *t) {
 import "C"
 
 import (
+	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -756,4 +799,295 @@ func (f *cudaFused) close() {
 		C.free(unsafe.Pointer(f.errBuf))
 		f.errBuf = nil
 	}
+}
+
+// Hand-offs between processes on one GPU (handoff.go, cuda/fused.h
+// mf_handoff_export).
+
+// devicePort is a hand-off port: a buffer of rows × embd floats and an
+// interprocess event on the stage's GPU, this process's (exported) or
+// another's (imported).
+type devicePort struct {
+	like       unsafe.Pointer // a device pointer of the GPU: one of the stage's weights
+	buf        *C.float
+	ev         unsafe.Pointer
+	imported   bool
+	rows, embd int
+	mu         sync.Mutex
+	closed     bool
+}
+
+// handoffMagic starts an offer: the layout's version.
+const handoffMagic = "mnh1"
+
+// handoffReadTimeout bounds how long a port's reader, or an abandoned pass,
+// waits for the previous stage's pass: a pass takes milliseconds, and one
+// that never ends leaves nothing to wait for.
+const handoffReadTimeout = 10_000 // ms
+
+// offer is the port's handles for the next stage: magic, rows, embd
+// (little-endian uint32s), the GPU's PCI bus id, the buffer's and the
+// event's handles.
+func (p *devicePort) offer(bus, mem, ev []byte) []byte {
+	b := []byte(handoffMagic)
+	b = binary.LittleEndian.AppendUint32(b, uint32(p.rows))
+	b = binary.LittleEndian.AppendUint32(b, uint32(p.embd))
+	b = append(b, bus...)
+	b = append(b, mem...)
+	return append(b, ev...)
+}
+
+func (p *devicePort) Read(rows int) (*stage.Activation, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, errors.New("reading a closed hand-off port")
+	}
+	if rows < 1 || rows > p.rows {
+		return nil, fmt.Errorf("reading %d rows from a hand-off port of %d", rows, p.rows)
+	}
+	data := make([]float32, rows*p.embd)
+	errBuf := (*C.char)(C.calloc(fusedErrLen, 1))
+	defer C.free(unsafe.Pointer(errBuf))
+	if C.meshnode_mf_handoff_read_call(p.like, p.buf, p.ev, C.size_t(len(data)), (*C.float)(unsafe.Pointer(&data[0])), handoffReadTimeout, errBuf, fusedErrLen) != 0 {
+		return nil, fmt.Errorf("reading hidden states from the previous stage's port: %s", C.GoString(errBuf))
+	}
+	return stage.SharedActivation(rows, p.embd, data)
+}
+
+func (p *devicePort) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	p.closed = true
+	computeMu.Lock()
+	C.meshnode_mf_handoff_close_call(p.like, p.buf, p.ev, cBool(p.imported))
+	computeMu.Unlock()
+	return nil
+}
+
+// stageDevicePointer is a device pointer of the stage's GPU, for the ports'
+// calls: its first layer's Q weight.
+func (f *cudaFused) stageDevicePointer() (unsafe.Pointer, error) {
+	name := fmt.Sprintf("blk.%d.attn_q.weight", f.e.info.Start)
+	t := f.e.backend.Get(name)
+	if t == nil {
+		return nil, fmt.Errorf("%w: no tensor %s", errNoHandoff, name)
+	}
+	p := C.meshnode_device_data(pointerField(t, "t"))
+	if p == nil {
+		return nil, fmt.Errorf("%w: the stage's weights are not in GPU memory", errNoHandoff)
+	}
+	return p, nil
+}
+
+func (f *cudaFused) exportPort(rows int) (stage.HandoffPort, []byte, error) {
+	if C.meshnode_mf_can_handoff() == 0 {
+		return nil, nil, fmt.Errorf("%w: %s predates hand-offs between processes (rebuild it with deploy/gpu/build-cuda.sh)", errNoHandoff, FusedLibrary)
+	}
+	like, err := f.stageDevicePointer()
+	if err != nil {
+		return nil, nil, err
+	}
+	if rows < 1 {
+		return nil, nil, fmt.Errorf("%w: a port of %d rows", errNoHandoff, rows)
+	}
+	p := &devicePort{like: like, rows: rows, embd: f.e.info.Embd}
+	mem, ev, bus := make([]byte, C.MF_IPC_HANDLE), make([]byte, C.MF_IPC_HANDLE), make([]byte, C.MF_BUS_ID)
+	computeMu.Lock()
+	rc := C.meshnode_mf_handoff_export_call(like, C.size_t(rows*p.embd), &p.buf, &p.ev, unsafe.Pointer(&mem[0]), unsafe.Pointer(&ev[0]),
+		(*C.char)(unsafe.Pointer(&bus[0])), f.errBuf, fusedErrLen)
+	computeMu.Unlock()
+	if rc != 0 {
+		return nil, nil, fmt.Errorf("%w: %s", errNoHandoff, f.errText())
+	}
+	return p, p.offer(bus, mem, ev), nil
+}
+
+func (f *cudaFused) importPort(offer []byte) (stage.HandoffPort, error) {
+	if C.meshnode_mf_can_handoff() == 0 {
+		return nil, fmt.Errorf("%w: %s predates hand-offs between processes (rebuild it with deploy/gpu/build-cuda.sh)", errNoHandoff, FusedLibrary)
+	}
+	const head = len(handoffMagic) + 8
+	if len(offer) != head+C.MF_BUS_ID+2*C.MF_IPC_HANDLE || string(offer[:len(handoffMagic)]) != handoffMagic {
+		return nil, fmt.Errorf("%w: an offer of %d bytes in another layout", errNoHandoff, len(offer))
+	}
+	rows := int(binary.LittleEndian.Uint32(offer[4:]))
+	embd := int(binary.LittleEndian.Uint32(offer[8:]))
+	if embd != f.e.info.Embd || rows < 1 || rows > 1<<16 {
+		return nil, fmt.Errorf("%w: a port of %d rows of %d floats, this stage's rows are %d", errNoHandoff, rows, embd, f.e.info.Embd)
+	}
+	like, err := f.stageDevicePointer()
+	if err != nil {
+		return nil, err
+	}
+	bus := offer[head : head+C.MF_BUS_ID]
+	mem := offer[head+C.MF_BUS_ID : head+C.MF_BUS_ID+C.MF_IPC_HANDLE]
+	ev := offer[head+C.MF_BUS_ID+C.MF_IPC_HANDLE:]
+	if bytes.IndexByte(bus, 0) < 0 {
+		return nil, fmt.Errorf("%w: the offer's bus id is not terminated", errNoHandoff)
+	}
+	p := &devicePort{like: like, rows: rows, embd: embd, imported: true}
+	computeMu.Lock()
+	rc := C.meshnode_mf_handoff_import_call(like, unsafe.Pointer(&mem[0]), unsafe.Pointer(&ev[0]), (*C.char)(unsafe.Pointer(&bus[0])),
+		&p.buf, &p.ev, f.errBuf, fusedErrLen)
+	computeMu.Unlock()
+	if rc != 0 {
+		return nil, fmt.Errorf("%w: %s", errNoHandoff, f.errText())
+	}
+	return p, nil
+}
+
+// fusedLaunched is a pass mf_launch_rows queued.
+type fusedLaunched struct {
+	f     *cudaFused
+	slots []int
+	pos   []int32
+	in    *devicePort
+	graph time.Duration // the host's time to queue it
+}
+
+func (f *cudaFused) launch(b *stage.Batch, slots []int, hidden []float32, in, out stage.HandoffPort) (fusedLaunch, bool, error) {
+	e := f.e
+	if f.h == nil {
+		ok, err := f.create()
+		if err != nil || !ok {
+			if err != nil {
+				e.fused, e.fusedWhy = nil, err.Error()
+				f.close()
+			}
+			return nil, false, nil
+		}
+	}
+	var ip, op *devicePort
+	if in != nil {
+		var ok bool
+		if ip, ok = in.(*devicePort); !ok || !ip.imported {
+			return nil, false, fmt.Errorf("%w: an input port this engine did not open", errNoHandoff)
+		}
+	}
+	if out != nil {
+		var ok bool
+		if op, ok = out.(*devicePort); !ok || op.imported {
+			return nil, false, fmt.Errorf("%w: an output port this engine did not make", errNoHandoff)
+		}
+	}
+	n := b.Rows()
+	if n > f.maxRows || ip != nil && n > ip.rows || op != nil && n > op.rows {
+		return nil, false, nil
+	}
+	start := time.Now()
+	f.last = nil
+	if placed, err := f.placePass(slots, b.Pos); err != nil {
+		if placed {
+			_ = f.unplace(slots, b.Pos)
+		}
+		return nil, false, err
+	}
+	f.tokens = f.tokens[:0]
+	for r := range n {
+		token := C.int(0)
+		if e.info.First() {
+			token = C.int(b.Tokens[r])
+		}
+		f.tokens = append(f.tokens, token)
+	}
+	var hp *C.float
+	switch {
+	case f.hostEmbd != nil:
+		for i := range n {
+			row := f.embd[i*e.info.Embd : (i+1)*e.info.Embd]
+			if rc := C.meshnode_embed_row(f.hostEmbd, f.tokens[i], (*C.float)(unsafe.Pointer(&row[0]))); rc != 0 {
+				_ = f.unplace(slots, b.Pos)
+				return nil, false, fmt.Errorf("fused decode: looking up token %d in the embedding (%d)", int(f.tokens[i]), int(rc))
+			}
+		}
+		hp = (*C.float)(unsafe.Pointer(&f.embd[0]))
+	case !e.info.First() && ip == nil:
+		hp = (*C.float)(unsafe.Pointer(&hidden[0]))
+	}
+	var inDev, outDev *C.float
+	var after, done unsafe.Pointer
+	if ip != nil {
+		inDev, after = ip.buf, ip.ev
+	}
+	if op != nil {
+		outDev, done = op.buf, op.ev
+	}
+	computeMu.Lock()
+	rc := C.meshnode_mf_launch_rows_call(f.h, C.int(n), &f.tokens[0], hp, inDev, after, &f.pos[0], &f.loc[0], f.cellsArg(), &f.ncells[0],
+		outDev, done, f.errBuf, fusedErrLen)
+	computeMu.Unlock()
+	if rc != 0 {
+		err := fmt.Errorf("%w: fused decode, launching a pass: %s", ErrBroken, f.errText())
+		e.broken.Store(err)
+		_ = f.unplace(slots, b.Pos)
+		return nil, false, err
+	}
+	return &fusedLaunched{f: f, slots: slices.Clone(slots), pos: slices.Clone(b.Pos), in: ip, graph: time.Since(start)}, true, nil
+}
+
+func (l *fusedLaunched) finish() (*stage.Output, error) {
+	f, e := l.f, l.f.e
+	n := len(l.slots)
+	var picks *C.int
+	if e.info.Last() {
+		if cap(f.picks) < n {
+			f.picks = make([]C.int, n)
+		}
+		f.picks = f.picks[:n]
+		picks = &f.picks[0]
+	}
+	computeMu.Lock()
+	start := time.Now()
+	rc := C.meshnode_mf_finish_rows_call(f.h, picks, f.errBuf, fusedErrLen)
+	wait := time.Since(start)
+	computeMu.Unlock()
+	if rc != 0 {
+		err := fmt.Errorf("%w: fused decode, finishing a pass: %s", ErrBroken, f.errText())
+		e.broken.Store(err)
+		_ = f.unplace(l.slots, l.pos)
+		return nil, err
+	}
+	e.phases.passes.Add(1)
+	e.phases.graph.Add(int64(l.graph))
+	e.phases.wait.Add(int64(wait))
+	out := &stage.Output{}
+	if picks != nil {
+		out.Picks = make([]int32, n)
+		for i, p := range f.picks {
+			out.Picks[i] = int32(p)
+		}
+	}
+	return out, nil
+}
+
+func (l *fusedLaunched) abandon() error {
+	f, e := l.f, l.f.e
+	if l.in != nil {
+		// The pass waits on the previous stage's event: if that never
+		// comes, neither does the end of this pass, and the stream stays
+		// stuck behind it.
+		rc := C.meshnode_mf_event_wait_call(l.in.ev, handoffReadTimeout, f.errBuf, fusedErrLen)
+		if rc != 0 {
+			why := "the previous stage's pass never ended"
+			if rc < 0 {
+				why = f.errText()
+			}
+			err := fmt.Errorf("%w: abandoning a pass: %s", ErrBroken, why)
+			e.broken.Store(err)
+			return err
+		}
+	}
+	computeMu.Lock()
+	rc := C.meshnode_mf_finish_rows_call(f.h, nil, f.errBuf, fusedErrLen)
+	computeMu.Unlock()
+	if rc != 0 {
+		err := fmt.Errorf("%w: fused decode, abandoning a pass: %s", ErrBroken, f.errText())
+		e.broken.Store(err)
+		return err
+	}
+	return f.unplace(l.slots, l.pos)
 }

@@ -67,3 +67,18 @@ func gpuShareHint(backend string, peers []string, mps bool) string {
 		"): the processes take turns on the GPU, which slows every token. Start it before the nodes, as the user that runs them " +
 		"(nvidia-cuda-mps-control -d), or run one node per GPU"
 }
+
+// deviceHandoff says whether this node's stages hand hidden states over on
+// a GPU they share with the next stage (serve --gpu-handoff): only under
+// MPS, where the two processes' work runs side by side. Without it they
+// take turns on the GPU (see the README's NVIDIA section).
+func (m *mesh) deviceHandoff() bool {
+	if !m.cfg.GPUHandoff {
+		return false
+	}
+	if !mpsRunning() {
+		m.log.Warn("--gpu-handoff is off: NVIDIA's MPS daemon is not running (no " + filepath.Join(mpsPipeDir(), "control") + ")")
+		return false
+	}
+	return true
+}

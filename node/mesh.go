@@ -1164,9 +1164,10 @@ func (m *mesh) applyStage(ctx context.Context, mm *meshModel, want planner.Stage
 	ls.observed = m.obs.wrapEngine(ls.engine, planModel(mm).StageMemory(want.Start, want.End))
 	ls.server, err = pipeline.NewServer(pipeline.ServerConfig{
 		Engine: ls.observed, Dial: m.dial, ModelID: mm.ref.Name, ModelHash: mm.ref.ID,
-		OnBadPeer: func(p string, err error) { m.event("bad-peer", "peer %s sent a bad frame: %v", p, err) },
-		Vocab:     m.vocabs.of(mm),
-		Logger:    m.log.Named("stage"),
+		OnBadPeer:     func(p string, err error) { m.event("bad-peer", "peer %s sent a bad frame: %v", p, err) },
+		Vocab:         m.vocabs.of(mm),
+		DeviceHandoff: m.deviceHandoff(),
+		Logger:        m.log.Named("stage"),
 	})
 	if err != nil {
 		ls.close()

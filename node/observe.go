@@ -3,6 +3,7 @@ package node
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"strings"
 	"sync"
@@ -19,6 +20,7 @@ import (
 	"github.com/meshnode/meshnode/ggufstage"
 	"github.com/meshnode/meshnode/node/admin"
 	"github.com/meshnode/meshnode/node/membership"
+	"github.com/meshnode/meshnode/node/pipeline"
 	"github.com/meshnode/meshnode/node/scheduler"
 	"github.com/meshnode/meshnode/stage"
 )
@@ -203,6 +205,12 @@ func (e *observedEngine) Forward(ctx context.Context, b *stage.Batch) (*stage.Ou
 	if err != nil {
 		return out, err
 	}
+	e.passDone(b, d)
+	return out, nil
+}
+
+// passDone records a pass of b that took d.
+func (e *observedEngine) passDone(b *stage.Batch, d time.Duration) {
 	e.forwards.Add(1)
 	e.o.metrics.StageForward(e.label, d, b.Rows(), len(b.Outputs))
 	e.rate.Add(float64(len(b.Outputs)))
@@ -221,7 +229,6 @@ func (e *observedEngine) Forward(ctx context.Context, b *stage.Batch) (*stage.Ou
 			now.Graph-last.Graph, now.Alloc-last.Alloc, now.Launch-last.Launch, now.Wait-last.Wait)
 	}
 	e.mu.Unlock()
-	return out, nil
 }
 
 func (e *observedEngine) Open(seq stage.SeqID) error {
@@ -561,4 +568,53 @@ func (m *mesh) loadProgress() ggufstage.Progress {
 			m.publish()
 		}
 	}
+}
+
+// The engine's hand-offs on the device (pipeline.HandoffEngine), where it
+// has them; a pass launched so is timed from its launch to its end.
+
+var errNoHandoff = errors.New("the stage's engine has no hand-off on the device")
+
+func (e *observedEngine) ExportHandoff(rows int) (stage.HandoffPort, []byte, error) {
+	h, ok := e.Engine.(pipeline.HandoffEngine)
+	if !ok {
+		return nil, nil, errNoHandoff
+	}
+	return h.ExportHandoff(rows)
+}
+
+func (e *observedEngine) ImportHandoff(offer []byte) (stage.HandoffPort, error) {
+	h, ok := e.Engine.(pipeline.HandoffEngine)
+	if !ok {
+		return nil, errNoHandoff
+	}
+	return h.ImportHandoff(offer)
+}
+
+func (e *observedEngine) LaunchHandoff(b *stage.Batch, in, out stage.HandoffPort) (stage.LaunchedPass, bool, error) {
+	h, ok := e.Engine.(pipeline.HandoffEngine)
+	if !ok {
+		return nil, false, nil
+	}
+	start := time.Now()
+	p, ok, err := h.LaunchHandoff(b, in, out)
+	if err != nil || !ok {
+		return p, ok, err
+	}
+	return &observedPass{LaunchedPass: p, e: e, b: b, start: start}, true, nil
+}
+
+type observedPass struct {
+	stage.LaunchedPass
+	e     *observedEngine
+	b     *stage.Batch
+	start time.Time
+}
+
+func (p *observedPass) Finish() (*stage.Output, error) {
+	out, err := p.LaunchedPass.Finish()
+	if err == nil {
+		p.e.passDone(p.b, time.Since(p.start))
+	}
+	return out, err
 }

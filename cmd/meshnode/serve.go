@@ -56,6 +56,7 @@ func (f *nodeFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.Device, "device", "auto", "where layers run: auto (a GPU if ggml has one), cpu, cuda, metal")
 	c.BusyPoll = node.BusyPollAuto
 	fs.Var(busyPollFlag{&c.BusyPoll}, "busy-poll", "how long a connection keeps polling for the next message before it sleeps, e.g. 10ms: lower latency per hop for a CPU per busy connection; auto (25ms on a node whose layers run on a GPU, off elsewhere), off")
+	fs.BoolVar(&c.GPUHandoff, "gpu-handoff", false, "experimental: two stages of this machine's nodes on one GPU, under NVIDIA's MPS daemon, hand a decode step's hidden states over in GPU memory (CUDA IPC), the second stage's pass queued behind the first's, instead of through both hosts (where both decode through the fused CUDA kernels and over --local-hops). Off by default: a node that dies in the middle of a step can leave the other node's GPU context unusable until that node restarts")
 	fs.Var(switchFlag{&c.LocalHops}, "local-hops", "stages of nodes on this machine (one per GPU, say) reach each other over a Unix socket instead of TCP, libp2p and gRPC: auto (where the node can listen on one; a warning says why not), on (the node fails to start without one), off")
 	fs.DurationVar(&c.DrainTimeout, "drain-timeout", 60*time.Second, "on SIGTERM or 'meshnode leave', how long to wait for requests to finish and the mesh to take this node's layers")
 	fs.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")

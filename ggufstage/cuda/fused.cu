@@ -16,6 +16,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <new>
+#include <thread>
 
 namespace {
 
@@ -2908,6 +2909,118 @@ extern "C" void *mf_event_create(mf_engine *e) {
 
 extern "C" void mf_event_destroy(void *ev) {
 	if (ev) cudaEventDestroy((cudaEvent_t)ev);
+}
+
+namespace {
+
+// onDeviceOf makes the device that holds like current: 0, or 1 with err.
+int onDeviceOf(const void *like, int *device, char *err, int errlen) {
+	cudaPointerAttributes pa;
+	cudaError_t ce = cudaPointerGetAttributes(&pa, like);
+	if (ce == cudaSuccess && pa.type != cudaMemoryTypeDevice) ce = cudaErrorInvalidDevicePointer;
+	if (ce == cudaSuccess) ce = cudaSetDevice(pa.device);
+	if (ce != cudaSuccess) {
+		cudaGetLastError();
+		return errf(err, errlen, "finding the stage's device: %s", cudaGetErrorString(ce)), 1;
+	}
+	*device = pa.device;
+	return 0;
+}
+
+} // namespace
+
+extern "C" int mf_handoff_export(const void *like, size_t n, float **buf, void **ev, void *mem, void *evh, char *bus,
+                                 char *err, int errlen) {
+	*buf = nullptr, *ev = nullptr;
+	int device = 0;
+	if (onDeviceOf(like, &device, err, errlen)) return 1;
+	float *b = nullptr;
+	cudaEvent_t e = nullptr;
+	const char *doing = "reading the device's PCI bus id";
+	cudaError_t ce = cudaDeviceGetPCIBusId(bus, MF_BUS_ID, device);
+	if (ce == cudaSuccess) doing = "allocating the buffer", ce = cudaMalloc(&b, sizeof(float) * n);
+	if (ce == cudaSuccess) doing = "making the event", ce = cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess);
+	if (ce == cudaSuccess) doing = "exporting the buffer", ce = cudaIpcGetMemHandle((cudaIpcMemHandle_t *)mem, b);
+	if (ce == cudaSuccess) doing = "exporting the event", ce = cudaIpcGetEventHandle((cudaIpcEventHandle_t *)evh, e);
+	if (ce != cudaSuccess) {
+		if (e) cudaEventDestroy(e);
+		if (b) cudaFree(b);
+		cudaGetLastError();
+		return errf(err, errlen, "hand-off port: %s: %s", doing, cudaGetErrorString(ce)), 1;
+	}
+	*buf = b, *ev = e;
+	return 0;
+}
+
+extern "C" int mf_handoff_import(const void *like, const void *mem, const void *evh, const char *bus, float **buf,
+                                 void **ev, char *err, int errlen) {
+	*buf = nullptr, *ev = nullptr;
+	int device = 0;
+	if (onDeviceOf(like, &device, err, errlen)) return 1;
+	char own[MF_BUS_ID] = {};
+	cudaError_t ce = cudaDeviceGetPCIBusId(own, MF_BUS_ID, device);
+	if (ce != cudaSuccess) {
+		cudaGetLastError();
+		return errf(err, errlen, "hand-off port: reading the device's PCI bus id: %s", cudaGetErrorString(ce)), 1;
+	}
+	if (strncmp(own, bus, MF_BUS_ID) != 0) return errf(err, errlen, "hand-off port of the GPU at %.32s, this stage's is at %s", bus, own), 1;
+	void *b = nullptr;
+	cudaEvent_t e = nullptr;
+	cudaIpcMemHandle_t mh;
+	cudaIpcEventHandle_t eh;
+	memcpy(&mh, mem, sizeof mh);
+	memcpy(&eh, evh, sizeof eh);
+	const char *doing = "opening the buffer";
+	ce = cudaIpcOpenMemHandle(&b, mh, cudaIpcMemLazyEnablePeerAccess);
+	if (ce == cudaSuccess) doing = "opening the event", ce = cudaIpcOpenEventHandle(&e, eh);
+	if (ce != cudaSuccess) {
+		if (b) cudaIpcCloseMemHandle(b);
+		cudaGetLastError();
+		return errf(err, errlen, "hand-off port: %s: %s", doing, cudaGetErrorString(ce)), 1;
+	}
+	*buf = (float *)b, *ev = e;
+	return 0;
+}
+
+extern "C" void mf_handoff_close(const void *like, float *buf, void *ev, int imported) {
+	int device = 0;
+	char err[8];
+	if (onDeviceOf(like, &device, err, sizeof err)) return;
+	if (ev) cudaEventDestroy((cudaEvent_t)ev);
+	if (buf) imported ? cudaIpcCloseMemHandle(buf) : cudaFree(buf);
+	cudaGetLastError();
+}
+
+extern "C" int mf_event_wait(void *ev, int timeout_ms, char *err, int errlen) {
+	const auto t0 = std::chrono::steady_clock::now();
+	for (;;) {
+		const cudaError_t ce = cudaEventQuery((cudaEvent_t)ev);
+		if (ce == cudaSuccess) return 0;
+		if (ce != cudaErrorNotReady) {
+			cudaGetLastError();
+			return errf(err, errlen, "waiting for a hand-off's event: %s", cudaGetErrorString(ce)), -1;
+		}
+		if (std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(timeout_ms)) return 1;
+		std::this_thread::sleep_for(std::chrono::microseconds(50));
+	}
+}
+
+extern "C" int mf_handoff_read(const void *like, const float *buf, void *ev, size_t n, float *host, int timeout_ms,
+                               char *err, int errlen) {
+	int device = 0;
+	if (onDeviceOf(like, &device, err, errlen)) return 1;
+	switch (mf_event_wait(ev, timeout_ms, err, errlen)) {
+	case 1:
+		return errf(err, errlen, "the previous stage's hidden states were not written within %d ms", timeout_ms), 1;
+	case -1:
+		return 1;
+	}
+	const cudaError_t ce = cudaMemcpy(host, buf, sizeof(float) * n, cudaMemcpyDeviceToHost);
+	if (ce != cudaSuccess) {
+		cudaGetLastError();
+		return errf(err, errlen, "copying a hand-off's hidden states to the host: %s", cudaGetErrorString(ce)), 1;
+	}
+	return 0;
 }
 
 // mf_profile_rows times each kind of kernel of a pass of n rows (the last

@@ -125,6 +125,40 @@ float *mf_device_alloc(mf_engine *e, size_t n);
 void *mf_event_create(mf_engine *e);
 void mf_event_destroy(void *ev);
 
+// A hand-off between two processes' engines on one device (CUDA IPC): the
+// first exports a buffer and an interprocess event (mf_handoff_export),
+// the second opens them from their handles (mf_handoff_import), and
+// passes go through them with mf_launch_rows (out_dev and done on the
+// first, in_dev and after on the second).
+enum { MF_IPC_HANDLE = 64, MF_BUS_ID = 32 };
+
+// mf_handoff_export makes n floats of memory on the device that holds the
+// device pointer like and an interprocess event of it: *buf and *ev, their
+// handles in mem and evh (MF_IPC_HANDLE bytes each), the device's PCI bus
+// id in bus (MF_BUS_ID bytes). 0, or a message in err.
+int mf_handoff_export(const void *like, size_t n, float **buf, void **ev, void *mem, void *evh, char *bus, char *err,
+                      int errlen);
+
+// mf_handoff_import opens another process's exported buffer and event
+// from their handles on the device that holds like, which must be the one
+// of PCI bus id bus. 0, or a message in err.
+int mf_handoff_import(const void *like, const void *mem, const void *evh, const char *bus, float **buf, void **ev,
+                      char *err, int errlen);
+
+// mf_handoff_close frees an exported buffer and event, or closes imported
+// ones.
+void mf_handoff_close(const void *like, float *buf, void *ev, int imported);
+
+// mf_event_wait waits up to timeout_ms for the work before event ev's
+// last record: 0 once it is done, 1 if it is not by then, -1 on an error
+// (in err).
+int mf_event_wait(void *ev, int timeout_ms, char *err, int errlen);
+
+// mf_handoff_read copies n floats of device memory buf to host, once
+// event ev is reached (up to timeout_ms). 0, or a message in err.
+int mf_handoff_read(const void *like, const float *buf, void *ev, size_t n, float *host, int timeout_ms, char *err,
+                    int errlen);
+
 // mf_max_rows is the most rows mf_step_rows takes: 8, fewer where the
 // rows' inputs leave the mat-vecs too little shared memory (4 for a
 // feed-forward of 27648, the 32B shape), or MESHNODE_FUSED_ROWS.
