@@ -817,6 +817,9 @@ type devicePort struct {
 	closed     bool
 }
 
+// portRowsMax is the most rows of a port: the most a fused pass takes.
+const portRowsMax = 16
+
 // handoffMagic starts an offer: the layout's version.
 const handoffMagic = "mnh1"
 
@@ -894,6 +897,9 @@ func (f *cudaFused) exportPort(rows int) (stage.HandoffPort, []byte, error) {
 	if rows < 1 {
 		return nil, nil, fmt.Errorf("%w: a port of %d rows", errNoHandoff, rows)
 	}
+	// No pass takes more rows (cuda/fused.cu kMaxRows); a pipeline's
+	// frame may hold a prefill of 64K.
+	rows = min(rows, portRowsMax)
 	p := &devicePort{like: like, rows: rows, embd: f.e.info.Embd}
 	mem, ev, bus := make([]byte, C.MF_IPC_HANDLE), make([]byte, C.MF_IPC_HANDLE), make([]byte, C.MF_BUS_ID)
 	computeMu.Lock()
