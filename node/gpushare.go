@@ -70,15 +70,12 @@ func gpuShareHint(backend string, peers []string, mps bool) string {
 
 // deviceHandoff says whether this node's stages hand hidden states over on
 // a GPU they share with the next stage (serve --gpu-handoff): only under
-// MPS, where the two processes' work runs side by side. Without it they
-// take turns on the GPU (see the README's NVIDIA section).
+// MPS. Without it the processes take turns on the GPU, and a stage whose
+// previous stage died in the middle of a hand-off waits on that stage's
+// event for good (deploy/gpu/ipc.cu, run 307: its stream, and then a new
+// one, never ended); under MPS that death leaves the other process's GPU
+// context unusable with or without a hand-off (run 308: a process killed
+// in the middle of its own kernel faults every other client of the GPU).
 func (m *mesh) deviceHandoff() bool {
-	if !m.cfg.GPUHandoff {
-		return false
-	}
-	if !mpsRunning() {
-		m.log.Warn("--gpu-handoff is off: NVIDIA's MPS daemon is not running (no " + filepath.Join(mpsPipeDir(), "control") + ")")
-		return false
-	}
-	return true
+	return m.cfg.GPUHandoff && mpsRunning()
 }

@@ -91,3 +91,31 @@ func TestMPSRunning(t *testing.T) {
 		t.Errorf("hint %q does not say where it looked", h)
 	}
 }
+
+func TestDeviceHandoff(t *testing.T) {
+	tests := []struct {
+		name      string
+		flag, mps bool
+		want      bool
+	}{
+		{name: "on, under MPS", flag: true, mps: true, want: true},
+		{name: "on, no MPS", flag: true},
+		{name: "off, under MPS", mps: true},
+		{name: "off"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			t.Setenv("CUDA_MPS_PIPE_DIRECTORY", dir)
+			if tc.mps {
+				if err := os.WriteFile(filepath.Join(dir, "control"), nil, 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			m := &mesh{cfg: Config{GPUHandoff: tc.flag}}
+			if got := m.deviceHandoff(); got != tc.want {
+				t.Errorf("deviceHandoff() = %v, want %v", got, tc.want)
+			}
+		})
+	}
+}

@@ -90,9 +90,8 @@ type Config struct {
 	LocalHops ggufstage.Switch
 	// GPUHandoff: two stages of nodes on this machine that share a GPU
 	// under MPS pass decode steps' hidden states in its memory where their
-	// engines can (pipeline.HandoffEngine); otherwise through the hosts.
-	// Off by default: CUDA IPC ties the two processes' GPU contexts, and
-	// one's death in the middle of a step can fault the other's.
+	// engines can (pipeline.HandoffEngine); false: always through the
+	// hosts. serve's default is true.
 	GPUHandoff bool
 
 	// Ready, if set, is called with the HTTP address once the node serves.

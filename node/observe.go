@@ -601,20 +601,25 @@ func (e *observedEngine) LaunchHandoff(b *stage.Batch, in, out stage.HandoffPort
 	if err != nil || !ok {
 		return p, ok, err
 	}
-	return &observedPass{LaunchedPass: p, e: e, b: b, start: start}, true, nil
+	return &observedPass{LaunchedPass: p, e: e, b: b, launch: time.Since(start)}, true, nil
 }
 
+// observedPass times a launched pass as its queueing and its finish, not
+// the time between: the next stage launches as soon as its input is on
+// its way, and then waits for the previous stage's pass before its
+// caller finishes it, which a stage's compute should not count.
 type observedPass struct {
 	stage.LaunchedPass
-	e     *observedEngine
-	b     *stage.Batch
-	start time.Time
+	e      *observedEngine
+	b      *stage.Batch
+	launch time.Duration
 }
 
 func (p *observedPass) Finish() (*stage.Output, error) {
+	start := time.Now()
 	out, err := p.LaunchedPass.Finish()
 	if err == nil {
-		p.e.passDone(p.b, time.Since(p.start))
+		p.e.passDone(p.b, p.launch+time.Since(start))
 	}
 	return out, err
 }

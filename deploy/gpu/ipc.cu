@@ -5,13 +5,15 @@
 // the parent) through a pipe without waiting for its GPU; B queues a wait
 // on the event, a copy out of the buffer and a check of every value.
 //
-//   nvcc -O2 -std=c++17 -o ipc deploy/gpu/ipc.cu && ./ipc [turns] [landing]
+//   nvcc -O2 -std=c++17 -o ipc deploy/gpu/ipc.cu && ./ipc [turns] [landing|plain]
 //
 // It reports: the values B saw wrong (must be 0), a turn's time handed
 // over on the device against through both hosts (the same spin kernels on
 // either side), and what becomes of B's wait when A is killed after
 // queueing a long kernel before its copy and the event's record: its copy
-// into its own buffer, or with landing into one B exported.
+// into its own buffer, or with landing into one B exported. With plain,
+// no IPC at all: what becomes of B's own kernels when A is killed in the
+// middle of one of its own.
 #include <cuda_runtime.h>
 #include "cudacheck.h"
 
@@ -216,12 +218,60 @@ int second(int in, int out, int turns, pid_t child, bool intoB) {
 	return wrong != 0;
 }
 
+// plainFirst is A without IPC: a long kernel, then its own death.
+void plainFirst(int in, int out) {
+	CHECK(cudaSetDevice(0));
+	cudaStream_t s;
+	CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+	int go = 0;
+	full(in, &go, sizeof go);
+	spin<<<132, 32, 0, s>>>(500000 * 1000LL);
+	put(out, &go, sizeof go);
+	usleep(20000); // the kernel is running
+	kill(getpid(), SIGKILL);
+}
+
+// plainSecond is B without IPC: its own kernels run while A is killed in
+// the middle of one of its own.
+int plainSecond(int in, int out, pid_t child) {
+	CHECK(cudaSetDevice(0));
+	cudaStream_t s;
+	CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+	float *y;
+	int *bad;
+	CHECK(cudaMalloc(&y, sizeof(float) * kFloats));
+	CHECK(cudaMallocHost(&bad, sizeof(int)));
+	*bad = 0;
+	const int go = 1;
+	put(out, &go, sizeof go);
+	int back;
+	full(in, &back, sizeof back);
+	spin<<<8, 32, 0, s>>>(200000 * 1000LL);
+	int status = 0;
+	waitpid(child, &status, 0);
+	const auto t0 = std::chrono::steady_clock::now();
+	cudaError_t sq = cudaErrorNotReady;
+	while (ms(t0) < 5000 && (sq = cudaStreamQuery(s)) == cudaErrorNotReady) usleep(1000);
+	printf("ipc plain: A killed (%s) in the middle of its own kernel, no IPC: %.0f ms later B's stream says %s\n",
+	       WIFSIGNALED(status) ? "by a signal" : "it exited", ms(t0), cudaGetErrorString(sq));
+	cudaStream_t fresh;
+	cudaError_t fe = cudaStreamCreateWithFlags(&fresh, cudaStreamNonBlocking);
+	if (fe == cudaSuccess) {
+		fill<<<64, 256, 0, fresh>>>(y, kFloats, 7);
+		check<<<64, 256, 0, fresh>>>(y, kFloats, 7, bad);
+		fe = cudaStreamSynchronize(fresh);
+	}
+	printf("ipc plain: then a fresh stream of B: %s, %d values wrong\n", cudaGetErrorString(fe), *bad);
+	return fe != cudaSuccess;
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
 	setvbuf(stdout, nullptr, _IOLBF, 0);
 	const int turns = argc > 1 ? atoi(argv[1]) : 200;
 	const bool intoB = argc > 2 && strcmp(argv[2], "landing") == 0;
+	const bool plain = argc > 2 && strcmp(argv[2], "plain") == 0;
 	int a2b[2], b2a[2];
 	if (pipe(a2b) || pipe(b2a)) return perror("pipe"), 1;
 	// Fork before either process touches CUDA: a child of a process with
@@ -230,9 +280,10 @@ int main(int argc, char **argv) {
 	if (pid < 0) return perror("fork"), 1;
 	if (pid == 0) {
 		close(a2b[0]), close(b2a[1]);
-		first(b2a[0], a2b[1]);
+		plain ? plainFirst(b2a[0], a2b[1]) : first(b2a[0], a2b[1]);
 		_exit(0);
 	}
 	close(a2b[1]), close(b2a[0]);
+	if (plain) return plainSecond(a2b[0], b2a[1], pid);
 	return second(a2b[0], b2a[1], turns, pid, intoB);
 }
