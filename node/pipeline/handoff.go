@@ -57,8 +57,13 @@ type HandoffEngine interface {
 }
 
 // handoffAnswerTimeout bounds the wait for the next hop's answer to an
-// offer: it answers before it does anything else.
-const handoffAnswerTimeout = 10 * time.Second
+// offer: it answers before it does anything else, unless it predates
+// hand-offs.
+var handoffAnswerTimeout = 10 * time.Second
+
+// answerOffers is false only in a test standing in for a next hop from
+// before hand-offs.
+var answerOffers = true
 
 // handoffEngine is the server's engine as a HandoffEngine, if it is one and
 // hand-offs are on.
@@ -89,52 +94,28 @@ func (l *link) offerHandoff() (stage.HandoffPort, []byte) {
 	return port, offer
 }
 
-// handoffAnswer reads the next hop's answer to this stage's offer: whether
-// it took it. The next hop's refusal of the pipeline is a failure, as the
-// watcher would report it.
-func (l *link) handoffAnswer() (bool, error) {
-	next := l.st.Hop + 1
-	type answer struct {
-		f   *meshnodev1.Frame
-		err error
-	}
-	ch := make(chan answer, 1)
-	go func() {
-		f, err := l.down.Recv()
-		ch <- answer{f, err}
-	}()
+// awaitAnswer waits for the next hop's answer to this stage's offer (the
+// watcher passes it on), and keeps port if the next hop opened it. A next
+// hop that does not answer in time (one from before hand-offs) gets the
+// pipeline's frames through the hosts.
+func (l *link) awaitAnswer(port stage.HandoffPort) error {
 	timer := time.NewTimer(handoffAnswerTimeout)
 	defer timer.Stop()
-	var a answer
 	select {
-	case a = <-ch:
-	case <-timer.C:
-		l.downCancel()
-		<-ch
-		return false, fmt.Errorf("%w: hop %d (%s) did not answer the offer of a hand-off within %s", wire.ErrUnavailable, next, l.nextPeer, handoffAnswerTimeout)
-	case <-l.ctx.Done():
-		l.downCancel()
-		<-ch
-		return false, context.Cause(l.ctx)
-	}
-	if a.err != nil {
-		return false, &failure{hop: next, from: fromDown, err: fmt.Errorf("%w: stream to hop %d (%s) ended: %w", wire.ErrUnavailable, next, l.nextPeer, a.err)}
-	}
-	if re, err := wire.DecodeError(a.f); err == nil {
-		if re.Hop < 0 || re.Hop >= len(l.st.Route) {
-			re.Hop = next
+	case st := <-l.answer:
+		if st.HandoffTaken {
+			l.handTo = port
+			return nil
 		}
-		return false, &failure{step: re.Step, hop: re.Hop, from: fromDown, err: re}
+	case <-timer.C:
+		l.log.Info("the next hop did not answer the offer of a hand-off on the device; its frames go through the hosts",
+			zap.Int("hop", l.st.Hop+1), zap.Duration("waited", handoffAnswerTimeout))
+	case <-l.ctx.Done():
+		port.Close()
+		return context.Cause(l.ctx)
 	}
-	st, err := wire.DecodeSetup(a.f)
-	if err == nil && (st.PipelineID != l.st.PipelineID || st.Origin != l.st.Origin || st.Hop != next) {
-		err = fmt.Errorf("%w: answer for pipeline %q hop %d, want %q hop %d", wire.ErrBadFrame, st.PipelineID, st.Hop, l.st.PipelineID, next)
-	}
-	if err != nil {
-		l.s.badPeer(l.nextPeer, err)
-		return false, &failure{hop: next, from: fromDown, bad: true, err: fmt.Errorf("%w: hop %d (%s) answered a hand-off with a bad frame: %w", wire.ErrBadFrame, next, l.nextPeer, err)}
-	}
-	return st.HandoffTaken, nil
+	port.Close()
+	return nil
 }
 
 // answerHandoff opens the previous hop's offer, if this stage can, and

@@ -438,3 +438,27 @@ func TestHandoffFirstStageDies(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// A next hop that never answers the offer (one from before hand-offs)
+// costs the pipeline the wait for the answer, and then its frames go
+// through the hosts.
+func TestHandoffUnanswered(t *testing.T) {
+	answerOffers = false
+	handoffAnswerTimeout = 200 * time.Millisecond
+	t.Cleanup(func() { answerOffers, handoffAnswerTimeout = true, 10*time.Second })
+	sc := twoSeqs
+	want := referenceTrace(t, sc)
+	first, last := &handoffSim{}, &handoffSim{}
+	m := handoffMesh(t, first, last)
+	p := m.pipeline(t, Config{Dial: m.dialSockets()})
+	openAll(t, p, sc, func(int) sample.Params { return greedy() })
+	got := sc.run(t, pipelineForward(p))
+	for step := range want.tokens {
+		if !slices.Equal(got.tokens[step], want.tokens[step]) {
+			t.Fatalf("step %d: tokens %v, want %v (one engine)", step, got.tokens[step], want.tokens[step])
+		}
+	}
+	if n := first.launchedOut.Load() + last.launchedIn.Load(); n != 0 {
+		t.Errorf("%d passes launched through a port nobody opened", n)
+	}
+}

@@ -109,6 +109,9 @@ type link struct {
 	// through them, or from one through the host.
 	handTo, handFrom stage.HandoffPort
 	handed, fellBack int
+	// answer carries the next hop's answer to this stage's offer from
+	// the watcher; nil without an offer.
+	answer chan wire.Setup
 }
 
 func (s *Server) serveForward(ctx context.Context, cancel context.CancelCauseFunc, stream meshnodev1.StageService_ForwardServer,
@@ -121,7 +124,7 @@ func (s *Server) serveForward(ctx context.Context, cancel context.CancelCauseFun
 		join: joiner{lim: s.lim},
 	}
 	var err error
-	if st.Handoff != nil {
+	if st.Handoff != nil && answerOffers {
 		err = l.answerHandoff()
 	}
 	if err == nil {
@@ -205,16 +208,7 @@ func (l *link) start() error {
 	}
 	l.down = down
 	if port != nil {
-		taken, err := l.handoffAnswer()
-		if err != nil || !taken {
-			port.Close()
-		}
-		if err != nil {
-			return err
-		}
-		if taken {
-			l.handTo = port
-		}
+		l.answer = make(chan wire.Setup, 1)
 	}
 	l.wireDType = l.st.WireDType
 	l.watched = make(chan struct{})
@@ -237,6 +231,9 @@ func (l *link) start() error {
 		close(l.sent)
 		l.s.wg.Add(1)
 		go l.watch()
+		if port != nil {
+			return l.awaitAnswer(port)
+		}
 		return nil
 	}
 	l.out = make(chan *meshnodev1.Frame, 4)
@@ -309,6 +306,21 @@ func (l *link) watch() {
 	defer close(l.watched)
 	next := l.st.Hop + 1
 	f, err := l.down.Recv()
+	if err == nil && l.answer != nil && wire.BodyKind(f) == "setup" {
+		// The answer to this stage's offer of a hand-off, which may come
+		// late or not at all (a next hop from before hand-offs).
+		st, derr := wire.DecodeSetup(f)
+		if derr == nil && (st.PipelineID != l.st.PipelineID || st.Origin != l.st.Origin || st.Hop != next) {
+			derr = fmt.Errorf("%w: answer for pipeline %q hop %d, want %q hop %d", wire.ErrBadFrame, st.PipelineID, st.Hop, l.st.PipelineID, next)
+		}
+		if derr != nil {
+			l.s.badPeer(l.nextPeer, derr)
+			l.cancel(&failure{hop: next, from: fromDown, bad: true, err: fmt.Errorf("%w: hop %d (%s) answered a hand-off with a bad frame: %w", wire.ErrBadFrame, next, l.nextPeer, derr)})
+			return
+		}
+		l.answer <- st
+		f, err = l.down.Recv()
+	}
 	if err != nil {
 		select {
 		case <-l.closing:
