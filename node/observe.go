@@ -601,7 +601,7 @@ func (e *observedEngine) LaunchHandoff(b *stage.Batch, in, out stage.HandoffPort
 	if err != nil || !ok {
 		return p, ok, err
 	}
-	return &observedPass{LaunchedPass: p, e: e, b: b, launch: time.Since(start)}, true, nil
+	return &observedPass{LaunchedPass: p, e: e, b: b, launch: time.Since(start), in: in != nil, out: out != nil}, true, nil
 }
 
 // observedPass times a launched pass as its queueing and its finish, not
@@ -610,9 +610,10 @@ func (e *observedEngine) LaunchHandoff(b *stage.Batch, in, out stage.HandoffPort
 // caller finishes it, which a stage's compute should not count.
 type observedPass struct {
 	stage.LaunchedPass
-	e      *observedEngine
-	b      *stage.Batch
-	launch time.Duration
+	e       *observedEngine
+	b       *stage.Batch
+	launch  time.Duration
+	in, out bool // its hidden input came from a port, its output went to one
 }
 
 func (p *observedPass) Finish() (*stage.Output, error) {
@@ -620,6 +621,12 @@ func (p *observedPass) Finish() (*stage.Output, error) {
 	out, err := p.LaunchedPass.Finish()
 	if err == nil {
 		p.e.passDone(p.b, p.launch+time.Since(start))
+		if p.in {
+			p.e.o.metrics.StageHandoff(p.e.label, "in")
+		}
+		if p.out {
+			p.e.o.metrics.StageHandoff(p.e.label, "out")
+		}
 	}
 	return out, err
 }

@@ -206,6 +206,7 @@ func TestMetrics(t *testing.T) {
 	m.PeerRTT("q", 200*time.Microsecond)
 	m.HopBytes("q", "sent", 4096)
 	m.LocalStream("q")
+	m.StageHandoff("0-4", "out")
 
 	rec := httptest.NewRecorder()
 	m.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
@@ -218,7 +219,7 @@ func TestMetrics(t *testing.T) {
 		"meshnode_requests_total", "meshnode_errors_total", "meshnode_events_total", "meshnode_replans_total",
 		"meshnode_time_to_first_token_seconds", "meshnode_request_duration_seconds", "meshnode_prefill_tokens_per_second",
 		"meshnode_decode_tokens_per_second", "meshnode_pipeline_step_seconds", "meshnode_stage_compute_seconds",
-		"meshnode_stage_phase_seconds_total", "meshnode_stage_passes_built_ahead_total", "meshnode_stage_passes_allocated_ahead_total", "meshnode_stage_tokens_total", "meshnode_hop_rtt_seconds", "meshnode_hop_bytes_total", "meshnode_local_stage_streams_total", "meshnode_queue_depth",
+		"meshnode_stage_phase_seconds_total", "meshnode_stage_passes_built_ahead_total", "meshnode_stage_passes_allocated_ahead_total", "meshnode_stage_tokens_total", "meshnode_hop_rtt_seconds", "meshnode_hop_bytes_total", "meshnode_local_stage_streams_total", "meshnode_stage_handoffs_total", "meshnode_queue_depth",
 		"meshnode_active_sequences", "meshnode_prompt_tokens_total", "meshnode_generated_tokens_total",
 		"meshnode_kv_cache_tokens", "meshnode_kv_cache_capacity_tokens", "meshnode_kv_cache_used_bytes",
 		"meshnode_memory_bytes", "meshnode_mesh_members", "meshnode_ready", "meshnode_pipeline_stages",
@@ -236,6 +237,9 @@ func TestMetrics(t *testing.T) {
 	}
 	if v := value(fams, "meshnode_errors_total", "kind", "overloaded"); v != 1 {
 		t.Errorf("overloaded errors = %v", v)
+	}
+	if v := value(fams, "meshnode_stage_handoffs_total", "direction", "out"); v != 1 {
+		t.Errorf("hand-offs out = %v", v)
 	}
 	if v := value(fams, "meshnode_generated_tokens_total", "", ""); v != 42 {
 		t.Errorf("generated tokens = %v", v)

@@ -59,6 +59,7 @@ type Metrics struct {
 	peerRTT      *prometheus.HistogramVec
 	hopBytes     *prometheus.CounterVec
 	localStreams *prometheus.CounterVec
+	handoffs     *prometheus.CounterVec
 	http         *prometheus.CounterVec
 }
 
@@ -109,6 +110,8 @@ func NewMetrics(gauges func() Gauges) *Metrics {
 	m.hopBytes = f.counterVec("meshnode_hop_bytes_total", "Stage traffic (wire bytes of gRPC, or of local sockets' frames) to and from each peer.", "peer", "direction")
 	m.localStreams = f.counterVec("meshnode_local_stage_streams_total",
 		"Stage streams this node opened to nodes on its machine over their local Unix socket (serve --local-hops), by peer.", "peer")
+	m.handoffs = f.counterVec("meshnode_stage_handoffs_total",
+		"Decode passes of this node's stage whose hidden states went to the next stage (direction=out) or came from the previous one (in) in their shared GPU's memory (serve --gpu-handoff).", "stage", "direction")
 	m.http = f.counterVec("meshnode_http_requests_total", "HTTP requests to the OpenAI API by endpoint and status code.", "endpoint", "code")
 
 	m.reg.MustRegister(gaugeCollector{gauges})
@@ -181,6 +184,12 @@ func (m *Metrics) StagePhases(stage string, ahead, allocated uint64, graph, allo
 // PeerRTT records a round trip to a peer.
 func (m *Metrics) PeerRTT(peer string, d time.Duration) {
 	m.peerRTT.WithLabelValues(peer).Observe(d.Seconds())
+}
+
+// StageHandoff counts a pass of stage whose hidden states went out to the
+// next stage, or came in from the previous one, on their GPU.
+func (m *Metrics) StageHandoff(stage, direction string) {
+	m.handoffs.WithLabelValues(stage, direction).Inc()
 }
 
 // LocalStream counts a stage stream opened to peer over its local socket.
