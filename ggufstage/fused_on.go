@@ -541,26 +541,9 @@ func (f *cudaFused) step(b *stage.Batch, slots []int, hidden []float32) (*stage.
 		if err != nil {
 			return fail(err)
 		}
-		f.tokens = f.tokens[:0]
-		for r := r0; r < r0+rows; r++ {
-			token := C.int(0)
-			if e.info.First() {
-				token = C.int(b.Tokens[r])
-			}
-			f.tokens = append(f.tokens, token)
-		}
-		var hp *C.float
-		switch {
-		case f.hostEmbd != nil:
-			for i := range rows {
-				row := f.embd[i*e.info.Embd : (i+1)*e.info.Embd]
-				if rc := C.meshnode_embed_row(f.hostEmbd, f.tokens[i], (*C.float)(unsafe.Pointer(&row[0]))); rc != 0 {
-					return fail(fmt.Errorf("fused decode: looking up token %d in the embedding (%d)", int(f.tokens[i]), int(rc)))
-				}
-			}
-			hp = (*C.float)(unsafe.Pointer(&f.embd[0]))
-		case !e.info.First():
-			hp = (*C.float)(unsafe.Pointer(&hidden[r0*e.info.Embd]))
+		hp, err := f.passInput(b, r0, rows, hidden)
+		if err != nil {
+			return fail(err)
 		}
 		var out *C.float
 		var picks *C.int
@@ -666,6 +649,36 @@ func (f *cudaFused) stepQueued(b *stage.Batch, slots []int, queued bool) (*stage
 	next.after = slices.Clone(out.Picks)
 	f.last = next
 	return out, true, nil
+}
+
+// passInput sets f.tokens to the tokens of b's rows r0 to r0+rows (0 on a
+// stage that does not embed) and returns the pass's hidden input on the
+// host: the rows looked up in a host embedding, the rows' hidden states
+// from hidden, or nil where the kernels embed or hidden is nil (the input
+// lies on the device).
+func (f *cudaFused) passInput(b *stage.Batch, r0, rows int, hidden []float32) (*C.float, error) {
+	e := f.e
+	f.tokens = f.tokens[:0]
+	for r := r0; r < r0+rows; r++ {
+		token := C.int(0)
+		if e.info.First() {
+			token = C.int(b.Tokens[r])
+		}
+		f.tokens = append(f.tokens, token)
+	}
+	switch {
+	case f.hostEmbd != nil:
+		for i := range rows {
+			row := f.embd[i*e.info.Embd : (i+1)*e.info.Embd]
+			if rc := C.meshnode_embed_row(f.hostEmbd, f.tokens[i], (*C.float)(unsafe.Pointer(&row[0]))); rc != 0 {
+				return nil, fmt.Errorf("fused decode: looking up token %d in the embedding (%d)", int(f.tokens[i]), int(rc))
+			}
+		}
+		return (*C.float)(unsafe.Pointer(&f.embd[0])), nil
+	case !e.info.First() && hidden != nil:
+		return (*C.float)(unsafe.Pointer(&hidden[r0*e.info.Embd])), nil
+	}
+	return nil, nil
 }
 
 // continuation is the pass that continues a pass of rows in cache slots
@@ -992,27 +1005,11 @@ func (f *cudaFused) launch(b *stage.Batch, slots []int, hidden []float32, in, ou
 		}
 		return nil, false, err
 	}
-	f.tokens = f.tokens[:0]
-	for r := range n {
-		token := C.int(0)
-		if e.info.First() {
-			token = C.int(b.Tokens[r])
-		}
-		f.tokens = append(f.tokens, token)
-	}
-	var hp *C.float
-	switch {
-	case f.hostEmbd != nil:
-		for i := range n {
-			row := f.embd[i*e.info.Embd : (i+1)*e.info.Embd]
-			if rc := C.meshnode_embed_row(f.hostEmbd, f.tokens[i], (*C.float)(unsafe.Pointer(&row[0]))); rc != 0 {
-				_ = f.unplace(slots, b.Pos)
-				return nil, false, fmt.Errorf("fused decode: looking up token %d in the embedding (%d)", int(f.tokens[i]), int(rc))
-			}
-		}
-		hp = (*C.float)(unsafe.Pointer(&f.embd[0]))
-	case !e.info.First() && ip == nil:
-		hp = (*C.float)(unsafe.Pointer(&hidden[0]))
+	// From a port, hidden is nil: the input is on the device.
+	hp, err := f.passInput(b, 0, n, hidden)
+	if err != nil {
+		_ = f.unplace(slots, b.Pos)
+		return nil, false, err
 	}
 	var inDev, outDev *C.float
 	var after, done unsafe.Pointer
