@@ -605,13 +605,9 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 		testPanic()
 	}
 
-	slots := make([]int, b.Rows())
-	for r, s := range b.Seqs {
-		slot, ok := e.slots[s]
-		if !ok {
-			return nil, fmt.Errorf("%w: %d (row %d)", stage.ErrUnknownSeq, s, r)
-		}
-		slots[r] = slot
+	slots, err := e.slotsOf(b)
+	if err != nil {
+		return nil, err
 	}
 
 	if e.fused != nil && fusedTakes(b, slots, e.info.Last()) {
@@ -665,6 +661,19 @@ func (e *Engine) Forward(ctx context.Context, b *stage.Batch) (out *stage.Output
 		out.Free = free
 	}
 	return out, nil
+}
+
+// slotsOf is the cache slot of each row of b's sequence; e.mu is held.
+func (e *Engine) slotsOf(b *stage.Batch) ([]int, error) {
+	slots := make([]int, b.Rows())
+	for r, s := range b.Seqs {
+		slot, ok := e.slots[s]
+		if !ok {
+			return nil, fmt.Errorf("%w: %d (row %d)", stage.ErrUnknownSeq, s, r)
+		}
+		slots[r] = slot
+	}
+	return slots, nil
 }
 
 // Close frees the engine's memory.

@@ -1,6 +1,7 @@
 package ggufstage
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -95,18 +96,12 @@ func (e *Engine) ImportHandoff(offer []byte) (stage.HandoffPort, error) {
 // prefill chunk, more rows than a pass takes, logits asked of the last
 // stage): the caller runs it through Forward. The engine takes no other
 // call until the pass is finished or abandoned.
-func (e *Engine) LaunchHandoff(b *stage.Batch, in, out stage.HandoffPort) (lp stage.LaunchedPass, ok bool, err error) {
+func (e *Engine) LaunchHandoff(ctx context.Context, b *stage.Batch, in, out stage.HandoffPort) (lp stage.LaunchedPass, ok bool, err error) {
 	var hidden []float32
 	if in != nil {
-		err = b.ValidateOnDevice(e.info)
+		err = stage.PrepareOnDevice(ctx, b, e.info, e.batch)
 	} else {
-		err = b.Validate(e.info)
-		if err == nil && !e.info.First() {
-			hidden, err = b.Hidden.Float32Shared()
-		}
-	}
-	if err == nil && b.Rows() > e.batch {
-		err = fmt.Errorf("stage: batch of %d rows is over the engine's %d", b.Rows(), e.batch)
+		hidden, err = stage.Prepare(ctx, b, e.info, e.batch)
 	}
 	if err != nil {
 		return nil, false, err
@@ -138,13 +133,9 @@ func (e *Engine) LaunchHandoff(b *stage.Batch, in, out stage.HandoffPort) (lp st
 	if herr != nil {
 		return nil, false, nil
 	}
-	slots := make([]int, b.Rows())
-	for r, s := range b.Seqs {
-		slot, ok := e.slots[s]
-		if !ok {
-			return nil, false, fmt.Errorf("%w: %d (row %d)", stage.ErrUnknownSeq, s, r)
-		}
-		slots[r] = slot
+	slots, err := e.slotsOf(b)
+	if err != nil {
+		return nil, false, err
 	}
 	if !fusedTakes(b, slots, e.info.Last()) || e.info.Last() && !b.PicksOnly {
 		return nil, false, nil

@@ -37,7 +37,7 @@ func TestHandoffOnTheCPU(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := &stage.Batch{Seqs: []stage.SeqID{1}, Pos: []int32{0}, Tokens: []int32{1}, Outputs: []int{0}}
-	lp, ok, err := first.LaunchHandoff(b, nil, nil)
+	lp, ok, err := first.LaunchHandoff(t.Context(), b, nil, nil)
 	if lp != nil || ok || err != nil {
 		t.Fatalf("LaunchHandoff on the CPU: %v, %v, %v; want it to decline", lp, ok, err)
 	}
@@ -48,11 +48,11 @@ func TestHandoffOnTheCPU(t *testing.T) {
 	}
 	out.Release()
 	// A malformed batch is an error, not a decline.
-	if _, ok, err := first.LaunchHandoff(&stage.Batch{Seqs: []stage.SeqID{1}, Tokens: []int32{1}}, nil, nil); ok || err == nil {
+	if _, ok, err := first.LaunchHandoff(t.Context(), &stage.Batch{Seqs: []stage.SeqID{1}, Tokens: []int32{1}}, nil, nil); ok || err == nil {
 		t.Fatalf("LaunchHandoff of a batch without positions: ok %v, %v", ok, err)
 	}
 	// So are hidden states on a device into the stage that embeds.
-	if _, ok, err := first.LaunchHandoff(b, fakePort{}, nil); ok || err == nil {
+	if _, ok, err := first.LaunchHandoff(t.Context(), b, fakePort{}, nil); ok || err == nil {
 		t.Fatalf("LaunchHandoff from a port into the first stage: ok %v, %v", ok, err)
 	}
 }

@@ -31,7 +31,7 @@ func (f *handoffFake) ImportHandoff([]byte) (stage.HandoffPort, error) { return 
 func (f *handoffFake) ExportHandoff(int) (stage.HandoffPort, []byte, error) {
 	return fakePort{}, []byte("offer"), nil
 }
-func (f *handoffFake) LaunchHandoff(*stage.Batch, stage.HandoffPort, stage.HandoffPort) (stage.LaunchedPass, bool, error) {
+func (f *handoffFake) LaunchHandoff(context.Context, *stage.Batch, stage.HandoffPort, stage.HandoffPort) (stage.LaunchedPass, bool, error) {
 	f.launches++
 	return fakePass{}, true, nil
 }
@@ -64,7 +64,7 @@ func TestObservedHandoff(t *testing.T) {
 		{name: "in and out", in: fakePort{}, out: fakePort{}},
 	}
 	for _, tc := range tests {
-		p, ok, err := h.LaunchHandoff(b, tc.in, tc.out)
+		p, ok, err := h.LaunchHandoff(t.Context(), b, tc.in, tc.out)
 		if err != nil || !ok {
 			t.Fatalf("%s: LaunchHandoff: %v, %v", tc.name, ok, err)
 		}
@@ -87,7 +87,7 @@ func TestObservedHandoff(t *testing.T) {
 	if _, _, err := plain.ExportHandoff(8); !errors.Is(err, errNoHandoff) {
 		t.Errorf("ExportHandoff of an engine without hand-offs: %v", err)
 	}
-	if _, ok, err := plain.LaunchHandoff(b, nil, fakePort{}); ok || err != nil {
+	if _, ok, err := plain.LaunchHandoff(t.Context(), b, nil, fakePort{}); ok || err != nil {
 		t.Errorf("LaunchHandoff of an engine without hand-offs: ok %v, %v", ok, err)
 	}
 }

@@ -591,13 +591,13 @@ func (e *observedEngine) ImportHandoff(offer []byte) (stage.HandoffPort, error) 
 	return h.ImportHandoff(offer)
 }
 
-func (e *observedEngine) LaunchHandoff(b *stage.Batch, in, out stage.HandoffPort) (stage.LaunchedPass, bool, error) {
+func (e *observedEngine) LaunchHandoff(ctx context.Context, b *stage.Batch, in, out stage.HandoffPort) (stage.LaunchedPass, bool, error) {
 	h, ok := e.Engine.(pipeline.HandoffEngine)
 	if !ok {
 		return nil, false, nil
 	}
 	start := time.Now()
-	p, ok, err := h.LaunchHandoff(b, in, out)
+	p, ok, err := h.LaunchHandoff(ctx, b, in, out)
 	if err != nil || !ok {
 		return p, ok, err
 	}

@@ -273,8 +273,8 @@ func Prepare(ctx context.Context, b *Batch, info Info, maxRows int) (hidden []fl
 	if err := b.Validate(info); err != nil {
 		return nil, err
 	}
-	if b.Rows() > maxRows {
-		return nil, fmt.Errorf("stage: batch of %d rows is over the engine's %d", b.Rows(), maxRows)
+	if err := checkMaxRows(b, maxRows); err != nil {
+		return nil, err
 	}
 	if !info.First() {
 		if hidden, err = b.Hidden.Float32Shared(); err != nil {
@@ -282,4 +282,23 @@ func Prepare(ctx context.Context, b *Batch, info Info, maxRows int) (hidden []fl
 		}
 	}
 	return hidden, ctx.Err()
+}
+
+// PrepareOnDevice is Prepare for a batch whose hidden states lie on a
+// device (ValidateOnDevice): there is nothing to decode.
+func PrepareOnDevice(ctx context.Context, b *Batch, info Info, maxRows int) error {
+	if err := b.ValidateOnDevice(info); err != nil {
+		return err
+	}
+	if err := checkMaxRows(b, maxRows); err != nil {
+		return err
+	}
+	return ctx.Err()
+}
+
+func checkMaxRows(b *Batch, maxRows int) error {
+	if b.Rows() > maxRows {
+		return fmt.Errorf("stage: batch of %d rows is over the engine's %d", b.Rows(), maxRows)
+	}
+	return nil
 }

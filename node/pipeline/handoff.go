@@ -53,7 +53,7 @@ type HandoffEngine interface {
 	// out is not nil. ok false: the engine cannot run b so (it would run
 	// it through Forward) and did nothing. Until the pass is finished or
 	// abandoned the engine takes no other call.
-	LaunchHandoff(b *stage.Batch, in, out stage.HandoffPort) (p stage.LaunchedPass, ok bool, err error)
+	LaunchHandoff(ctx context.Context, b *stage.Batch, in, out stage.HandoffPort) (p stage.LaunchedPass, ok bool, err error)
 }
 
 // handoffAnswerTimeout bounds the wait for the next hop's answer to an
@@ -164,7 +164,7 @@ func (l *link) closeHandoff() {
 // output into this stage's (out), one of them set.
 func (l *link) runOnDevice(step uint64, b, local *stage.Batch, in, out stage.HandoffPort) error {
 	h := l.s.handoffEngine()
-	p, ok, err := h.LaunchHandoff(local, in, out)
+	p, ok, err := h.LaunchHandoff(l.ctx, local, in, out)
 	if err != nil || !ok {
 		if in != nil {
 			// The previous hop's word on the buffer comes next, whatever

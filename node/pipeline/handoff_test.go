@@ -127,7 +127,7 @@ type simPass struct {
 	once sync.Once
 }
 
-func (h *handoffSim) LaunchHandoff(b *stage.Batch, in, out stage.HandoffPort) (stage.LaunchedPass, bool, error) {
+func (h *handoffSim) LaunchHandoff(ctx context.Context, b *stage.Batch, in, out stage.HandoffPort) (stage.LaunchedPass, bool, error) {
 	// As the fused path: decode passes only, one row a sequence, and on
 	// the last stage greedy picks.
 	for r, q := range b.Seqs {
@@ -187,7 +187,7 @@ func (h *handoffSim) LaunchHandoff(b *stage.Batch, in, out stage.HandoffPort) (s
 			}
 			lb.Hidden = a
 		}
-		o, err := h.Engine.Forward(context.Background(), &lb)
+		o, err := h.Engine.Forward(ctx, &lb)
 		if err != nil {
 			res.err = err
 			return
