@@ -8,8 +8,6 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/meshnode/meshnode/node/wire"
 	meshnodev1 "github.com/meshnode/meshnode/proto/meshnode/v1"
@@ -240,13 +238,8 @@ func (l *link) awaitHanded(step uint64) (re *wire.RemoteError, err error) {
 		return nil, context.Cause(l.ctx)
 	case errors.Is(r.err, io.EOF):
 		return nil, &failure{step: step, hop: l.st.Hop - 1, from: fromUp, err: fmt.Errorf("%w: stream from hop %d ended before step %d's hidden states were handed over", wire.ErrUnavailable, l.st.Hop-1, step)}
-	case r.err != nil && status.Code(r.err) == codes.ResourceExhausted:
-		return nil, &failure{step: step, hop: l.st.Hop - 1, from: fromUp, code: codes.ResourceExhausted, err: fmt.Errorf("%w: %w", wire.ErrBadFrame, r.err)}
 	case r.err != nil:
-		if l.ctx.Err() != nil {
-			return nil, context.Cause(l.ctx)
-		}
-		return nil, &failure{step: step, hop: l.st.Hop - 1, from: fromUp, err: fmt.Errorf("%w: stream from hop %d ended: %w", wire.ErrUnavailable, l.st.Hop-1, r.err)}
+		return nil, l.recvFailed(step, r.err)
 	}
 	f := r.f
 	if f.GetStep() != step {
@@ -256,20 +249,7 @@ func (l *link) awaitHanded(step uint64) (re *wire.RemoteError, err error) {
 	case *meshnodev1.Frame_Handed:
 		return nil, nil
 	case *meshnodev1.Frame_Error:
-		re, err := wire.DecodeError(f)
-		if err == nil && re.Hop >= len(l.st.Route) {
-			err = fmt.Errorf("%w: error names hop %d of %d", wire.ErrBadFrame, re.Hop, len(l.st.Route))
-		}
-		if err != nil {
-			return nil, l.bad(step, err)
-		}
-		if re.Hop < 0 {
-			re.Hop = l.st.Hop - 1
-		}
-		if wire.Fatal(re.Code) {
-			return nil, &failure{step: step, hop: re.Hop, from: fromUp, err: re}
-		}
-		return re, nil
+		return l.upstreamError(step, f)
 	}
 	return nil, l.bad(step, fmt.Errorf("%w: %s frame in place of step %d's hand-off", wire.ErrBadFrame, wire.BodyKind(f), step))
 }

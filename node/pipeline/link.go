@@ -378,14 +378,8 @@ func (l *link) loop() error {
 			}
 		case errors.Is(r.err, io.EOF):
 			return nil
-		case status.Code(r.err) == codes.ResourceExhausted:
-			// Reported by whoever received it already.
-			return &failure{hop: l.st.Hop - 1, from: fromUp, code: codes.ResourceExhausted,
-				err: fmt.Errorf("%w: %w", wire.ErrBadFrame, r.err)}
-		case l.ctx.Err() != nil:
-			return context.Cause(l.ctx)
 		default:
-			return &failure{hop: l.st.Hop - 1, from: fromUp, err: fmt.Errorf("%w: stream from hop %d ended: %w", wire.ErrUnavailable, l.st.Hop-1, r.err)}
+			return l.recvFailed(0, r.err)
 		}
 	}
 }
@@ -449,25 +443,49 @@ func (l *link) handle(f *meshnodev1.Frame) error {
 		}
 		return l.run(step, whole, alone, false)
 	case *meshnodev1.Frame_Error:
-		re, err := wire.DecodeError(f)
-		if err == nil && re.Hop >= len(l.st.Route) {
-			err = fmt.Errorf("%w: error names hop %d of %d", wire.ErrBadFrame, re.Hop, len(l.st.Route))
-		}
+		re, err := l.upstreamError(step, f)
 		if err != nil {
-			return l.bad(step, err)
-		}
-		if re.Hop < 0 {
-			re.Hop = l.st.Hop - 1
-		}
-		if wire.Fatal(re.Code) {
-			// The previous hop's last word: pass it on and end.
-			return &failure{step: step, hop: re.Hop, from: fromUp, err: re}
+			return err
 		}
 		// A step that failed further up keeps its place in the order.
 		return l.emit(wire.EncodeHopError(step, re.Hop, re))
 	default:
 		return l.bad(step, fmt.Errorf("%w: unexpected %s frame on a forward stream", wire.ErrBadFrame, wire.BodyKind(f)))
 	}
+}
+
+// upstreamError decodes an error frame from upstream for step: the step's
+// error (re), or the link's failure (err) where the frame is malformed or
+// its error fatal, the previous hop's last word.
+func (l *link) upstreamError(step uint64, f *meshnodev1.Frame) (re *wire.RemoteError, err error) {
+	re, err = wire.DecodeError(f)
+	if err == nil && re.Hop >= len(l.st.Route) {
+		err = fmt.Errorf("%w: error names hop %d of %d", wire.ErrBadFrame, re.Hop, len(l.st.Route))
+	}
+	if err != nil {
+		return nil, l.bad(step, err)
+	}
+	if re.Hop < 0 {
+		re.Hop = l.st.Hop - 1
+	}
+	if wire.Fatal(re.Code) {
+		return nil, &failure{step: step, hop: re.Hop, from: fromUp, err: re}
+	}
+	return re, nil
+}
+
+// recvFailed is the link's failure for an upstream read that failed with
+// err other than a clean end of stream, while step (0: none) waited.
+func (l *link) recvFailed(step uint64, err error) error {
+	switch {
+	case status.Code(err) == codes.ResourceExhausted:
+		// Reported by whoever received it already.
+		return &failure{step: step, hop: l.st.Hop - 1, from: fromUp, code: codes.ResourceExhausted,
+			err: fmt.Errorf("%w: %w", wire.ErrBadFrame, err)}
+	case l.ctx.Err() != nil:
+		return context.Cause(l.ctx)
+	}
+	return &failure{step: step, hop: l.st.Hop - 1, from: fromUp, err: fmt.Errorf("%w: stream from hop %d ended: %w", wire.ErrUnavailable, l.st.Hop-1, err)}
 }
 
 // stepFailed reports a step this stage could not do, in its place.

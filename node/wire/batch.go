@@ -38,15 +38,8 @@ func EncodeBatch(step uint64, b *stage.Batch, dtype stage.DType) (*meshnodev1.Fr
 	if h.Rows != len(b.Seqs) {
 		return nil, badBatch("hidden states have %d rows for %d sequence ids", h.Rows, len(b.Seqs))
 	}
-	if len(b.Tokens) != 0 {
-		if len(b.Tokens) != len(b.Seqs) {
-			return nil, badBatch("%d rows but %d token ids", len(b.Seqs), len(b.Tokens))
-		}
-		for r, t := range b.Tokens {
-			if t < 0 {
-				return nil, badBatch("row %d has negative token id %d", r, t)
-			}
-		}
+	if err := checkRowTokens(b); err != nil {
+		return nil, err
 	}
 	payload := h.Data
 	if h.DType != dtype {
@@ -69,6 +62,23 @@ func EncodeBatch(step uint64, b *stage.Batch, dtype stage.DType) (*meshnodev1.Fr
 			TokenIds:   tokensOrNil(b.Tokens),
 		}},
 	}, nil
+}
+
+// checkRowTokens checks the token ids an activations frame carries along,
+// if any: one per row, none negative.
+func checkRowTokens(b *stage.Batch) error {
+	if len(b.Tokens) == 0 {
+		return nil
+	}
+	if len(b.Tokens) != len(b.Seqs) {
+		return badBatch("%d rows but %d token ids", len(b.Seqs), len(b.Tokens))
+	}
+	for r, t := range b.Tokens {
+		if t < 0 {
+			return badBatch("row %d has negative token id %d", r, t)
+		}
+	}
+	return nil
 }
 
 func tokensOrNil(t []int32) []int32 {
@@ -170,8 +180,8 @@ func EncodeOnDevice(step uint64, b *stage.Batch, cols int) (*meshnodev1.Frame, e
 	if cols <= 0 || cols > math.MaxInt32 {
 		return nil, badBatch("%d columns", cols)
 	}
-	if len(b.Tokens) != 0 && len(b.Tokens) != len(b.Seqs) {
-		return nil, badBatch("%d rows but %d token ids", len(b.Seqs), len(b.Tokens))
+	if err := checkRowTokens(b); err != nil {
+		return nil, err
 	}
 	return &meshnodev1.Frame{
 		Version: Version,
