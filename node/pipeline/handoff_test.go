@@ -263,6 +263,17 @@ func handoffMesh(t *testing.T, first, last *handoffSim) *mesh {
 		stageOpts{wrap: wrap(first), handoff: true}, stageOpts{wrap: wrap(last), handoff: true})
 }
 
+// handoffPipeline is a pipeline of cfg from an origin over handoffMesh's
+// sockets, with twoSeqs' sequences open and greedy.
+func handoffPipeline(t *testing.T, first, last *handoffSim, cfg Config) (*mesh, *Pipeline) {
+	t.Helper()
+	m := handoffMesh(t, first, last)
+	cfg.Dial = m.dialSockets()
+	p := m.pipeline(t, cfg)
+	openAll(t, p, twoSeqs, func(int) sample.Params { return greedy() })
+	return m, p
+}
+
 func TestHandoffMatchesHost(t *testing.T) {
 	tests := []struct {
 		name         string
@@ -278,9 +289,7 @@ func TestHandoffMatchesHost(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			first, last := &handoffSim{}, &handoffSim{decline: tc.decline}
-			m := handoffMesh(t, first, last)
-			p := m.pipeline(t, Config{Dial: m.dialSockets(), ReturnLogits: tc.returnLogits})
-			openAll(t, p, sc, func(int) sample.Params { return greedy() })
+			m, p := handoffPipeline(t, first, last, Config{ReturnLogits: tc.returnLogits})
 			got := sc.run(t, pipelineForward(p))
 			for step := range want.tokens {
 				if !slices.Equal(got.tokens[step], want.tokens[step]) {
@@ -326,9 +335,7 @@ func TestHandoffFirstStageFails(t *testing.T) {
 	sc := twoSeqs
 	want := referenceTrace(t, sc)
 	first, last := &handoffSim{}, &handoffSim{}
-	m := handoffMesh(t, first, last)
-	p := m.pipeline(t, Config{Dial: m.dialSockets()})
-	openAll(t, p, sc, func(int) sample.Params { return greedy() })
+	_, p := handoffPipeline(t, first, last, Config{})
 	fwd := pipelineForward(p)
 	b := sc.prefill()
 	for step := 0; step <= sc.steps; step++ {
@@ -359,9 +366,7 @@ func TestHandoffOnlyAlone(t *testing.T) {
 	sc := twoSeqs
 	want := referenceTrace(t, sc)
 	first, last := &handoffSim{}, &handoffSim{}
-	m := handoffMesh(t, first, last)
-	p := m.pipeline(t, Config{Dial: m.dialSockets()})
-	openAll(t, p, sc, func(int) sample.Params { return greedy() })
+	_, p := handoffPipeline(t, first, last, Config{})
 	fwd := pipelineForward(p)
 	toks, _, err := fwd(sc.prefill())
 	if err != nil {
@@ -406,9 +411,7 @@ func TestHandoffOnlyAlone(t *testing.T) {
 func TestHandoffFirstStageDies(t *testing.T) {
 	sc := twoSeqs
 	first, last := &handoffSim{}, &handoffSim{}
-	m := handoffMesh(t, first, last)
-	p := m.pipeline(t, Config{Dial: m.dialSockets()})
-	openAll(t, p, sc, func(int) sample.Params { return greedy() })
+	m, p := handoffPipeline(t, first, last, Config{})
 	fwd := pipelineForward(p)
 	toks, _, err := fwd(sc.prefill())
 	if err != nil {
@@ -449,9 +452,7 @@ func TestHandoffUnanswered(t *testing.T) {
 	sc := twoSeqs
 	want := referenceTrace(t, sc)
 	first, last := &handoffSim{}, &handoffSim{}
-	m := handoffMesh(t, first, last)
-	p := m.pipeline(t, Config{Dial: m.dialSockets()})
-	openAll(t, p, sc, func(int) sample.Params { return greedy() })
+	_, p := handoffPipeline(t, first, last, Config{})
 	got := sc.run(t, pipelineForward(p))
 	for step := range want.tokens {
 		if !slices.Equal(got.tokens[step], want.tokens[step]) {
