@@ -74,6 +74,21 @@ double ms(std::chrono::steady_clock::time_point a) {
 	return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count();
 }
 
+// freshStream reports whether B's context still works after A's death: a
+// fill and a check of y on a new stream (bad counts the values wrong).
+cudaError_t freshStream(const char *who, float *y, int *bad) {
+	cudaStream_t fresh;
+	cudaError_t fe = cudaStreamCreateWithFlags(&fresh, cudaStreamNonBlocking);
+	*bad = 0;
+	if (fe == cudaSuccess) {
+		fill<<<64, 256, 0, fresh>>>(y, kFloats, 7);
+		check<<<64, 256, 0, fresh>>>(y, kFloats, 7, bad);
+		fe = cudaStreamSynchronize(fresh);
+	}
+	printf("%s: then a fresh stream of B: %s, %d values wrong\n", who, cudaGetErrorString(fe), *bad);
+	return fe;
+}
+
 // Commands A takes from B, one int each.
 enum { cmdDevice = 1, cmdHost = 2, cmdKill = 3, cmdEnd = 4 };
 
@@ -206,15 +221,7 @@ int second(int in, int out, int turns, pid_t child, bool intoB) {
 	}
 	printf("ipc: A killed (%s) with its copy into %s buffer and its record queued: %.0f ms later B's event query says %s, its stream %s\n",
 	       WIFSIGNALED(status) ? "by a signal" : "it exited", intoB ? "B's" : "its own", ms(t0), cudaGetErrorString(eq), cudaGetErrorString(sq));
-	cudaStream_t fresh;
-	cudaError_t fe = cudaStreamCreateWithFlags(&fresh, cudaStreamNonBlocking);
-	if (fe == cudaSuccess) {
-		*bad = 0;
-		fill<<<64, 256, 0, fresh>>>(y, kFloats, 7);
-		check<<<64, 256, 0, fresh>>>(y, kFloats, 7, bad);
-		fe = cudaStreamSynchronize(fresh);
-	}
-	printf("ipc: then a fresh stream of B: %s, %d values wrong\n", cudaGetErrorString(fe), *bad);
+	freshStream("ipc", y, bad);
 	return wrong != 0;
 }
 
@@ -254,15 +261,7 @@ int plainSecond(int in, int out, pid_t child) {
 	while (ms(t0) < 5000 && (sq = cudaStreamQuery(s)) == cudaErrorNotReady) usleep(1000);
 	printf("ipc plain: A killed (%s) in the middle of its own kernel, no IPC: %.0f ms later B's stream says %s\n",
 	       WIFSIGNALED(status) ? "by a signal" : "it exited", ms(t0), cudaGetErrorString(sq));
-	cudaStream_t fresh;
-	cudaError_t fe = cudaStreamCreateWithFlags(&fresh, cudaStreamNonBlocking);
-	if (fe == cudaSuccess) {
-		fill<<<64, 256, 0, fresh>>>(y, kFloats, 7);
-		check<<<64, 256, 0, fresh>>>(y, kFloats, 7, bad);
-		fe = cudaStreamSynchronize(fresh);
-	}
-	printf("ipc plain: then a fresh stream of B: %s, %d values wrong\n", cudaGetErrorString(fe), *bad);
-	return fe != cudaSuccess;
+	return freshStream("ipc plain", y, bad) != cudaSuccess;
 }
 
 } // namespace
