@@ -2913,17 +2913,24 @@ extern "C" void mf_event_destroy(void *ev) {
 
 namespace {
 
-// onDeviceOf makes the device that holds like current: 0, or 1 with err.
-int onDeviceOf(const void *like, int *device, char *err, int errlen) {
+// setDeviceOf makes the device that holds device pointer like current, and
+// says which it is.
+cudaError_t setDeviceOf(const void *like, int *device) {
 	cudaPointerAttributes pa;
 	cudaError_t ce = cudaPointerGetAttributes(&pa, like);
 	if (ce == cudaSuccess && pa.type != cudaMemoryTypeDevice) ce = cudaErrorInvalidDevicePointer;
 	if (ce == cudaSuccess) ce = cudaSetDevice(pa.device);
+	if (ce == cudaSuccess) *device = pa.device;
+	return ce;
+}
+
+// onDeviceOf makes the device that holds like current: 0, or 1 with err.
+int onDeviceOf(const void *like, int *device, char *err, int errlen) {
+	const cudaError_t ce = setDeviceOf(like, device);
 	if (ce != cudaSuccess) {
 		cudaGetLastError();
 		return errf(err, errlen, "finding the stage's device: %s", cudaGetErrorString(ce)), 1;
 	}
-	*device = pa.device;
 	return 0;
 }
 
@@ -3133,10 +3140,8 @@ extern "C" void mf_host_free(float *p) {
 }
 
 extern "C" void *mf_device_copy(const void *like, const void *host, size_t n, char *err, int errlen) {
-	cudaPointerAttributes pa;
-	cudaError_t ce = cudaPointerGetAttributes(&pa, like);
-	if (ce == cudaSuccess && pa.type != cudaMemoryTypeDevice) ce = cudaErrorInvalidDevicePointer;
-	if (ce == cudaSuccess) ce = cudaSetDevice(pa.device);
+	int device = 0;
+	cudaError_t ce = setDeviceOf(like, &device);
 	void *d = nullptr;
 	if (ce == cudaSuccess) ce = cudaMalloc(&d, n);
 	if (ce == cudaSuccess) ce = cudaMemcpy(d, host, n, cudaMemcpyHostToDevice);
